@@ -1,0 +1,32 @@
+# Two entry points for a fresh machine (Python 3.11, no GPU):
+#   make train   set up .venv and run the main job
+#   make test    set up .venv and run the test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup train test bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned to the CPU wheel on local disk (constraints/cpu.txt), so
+# nothing afterwards can pull a multi-GB CUDA build. torchtitan 0.2.2 goes in
+# --no-deps: its runtime deps are our [titan] extra.
+$(STAMP): pyproject.toml constraints/cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -c constraints/cpu.txt torch==2.13.0 numpy
+	$(PIP) install -q -c constraints/cpu.txt --no-deps torchtitan==0.2.2
+	$(PIP) install -q -c constraints/cpu.txt -e ".[titan,bench,test]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) scripts/bench_planner.py --doclens pretrain --ranks 64 --tokens-per-rank 131072
+	$(PY) scripts/bench_planner.py --doclens prolong --ranks 64 --tokens-per-rank 131072
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

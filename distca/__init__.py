@@ -1,0 +1,23 @@
+"""distca: core attention disaggregation for long-context LLM training.
+
+Plan once per step (pure, deterministic, identical on every rank), then run
+every layer's core attention on the planned attention servers.
+"""
+
+from distca.cost import MODEL_SHAPES, CostModel, ModelShape, causal_pairs, load_cost_model
+from distca.layout import Layout
+from distca.planner import POLICIES, Plan, plan
+
+__all__ = [
+    # layout and planning
+    "Layout",
+    "Plan",
+    "plan",
+    "POLICIES",
+    # cost model
+    "CostModel",
+    "ModelShape",
+    "MODEL_SHAPES",
+    "causal_pairs",
+    "load_cost_model",
+]

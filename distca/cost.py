@@ -1,0 +1,276 @@
+"""Cost model of core-attention (CA) tasks: causal work, modelled time, bytes moved.
+
+A CA task is (document, query range [s, e), KV prefix [0, e)), causal with
+bottom-right alignment: the query at in-document position p sees keys 0..p.
+Its work is the number of causal query-key pairs, sum_{p=s}^{e-1} (p + 1).
+
+Time is modelled per backend/device from measured kernel timings (fitted by
+``scripts/calibrate.py`` and stored in ``distca/data/cost_<name>.json``)::
+
+    t(task) = task_s + q_len * q_token_s + kv_len * kv_token_s
+              + pairs * pair_s * (1 + half_q / q_len)
+
+``half_q`` captures the lower efficiency of short query shards: pair
+throughput is half of peak at ``q_len == half_q``. All coefficients are for the
+reference shape stored with them and scale linearly with heads x head_dim.
+
+Bytes are modelled for one layer's forward dispatch (Q rows to servers, each
+needed KV row once per server, output + LSE rows back) and its backward.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+__all__ = [
+    "ModelShape",
+    "MODEL_SHAPES",
+    "CostModel",
+    "Traffic",
+    "causal_pairs",
+    "load_cost_model",
+    "traffic",
+]
+
+Mode = Literal["resend", "keep"]
+
+
+def causal_pairs(q_start, q_end):
+    """Causal query-key pairs of queries [q_start, q_end) of one document (ints or int64 arrays)."""
+    return (q_end * (q_end + 1) - q_start * (q_start + 1)) // 2
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Attention shape of one layer, for the bytes model."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+    """Bytes per activation element (bf16: 2, fp32: 4)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_kv_heads", "head_dim", "dtype_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"ModelShape.{name} must be a positive int, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelShape.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def q_row(self) -> int:
+        """Bytes of one token's Q (also of its dQ, O or dO)."""
+        return self.num_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def kv_row(self) -> int:
+        """Bytes of one token's K and V together (also of its dK and dV)."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def lse_row(self) -> int:
+        """Bytes of one token's log-sum-exp (fp32, one per query head)."""
+        return 4 * self.num_heads
+
+
+MODEL_SHAPES: dict[str, ModelShape] = {
+    # Llama-3-8B: 32 query heads, 8 KV heads, head dim 128, bf16.
+    "llama3-8b": ModelShape(32, 8, 128, 2),
+    # CodeLlama-34B as used by the paper: 64 query heads, 8 KV heads, head dim 128.
+    "llama3-34b": ModelShape(64, 8, 128, 2),
+    # torchtitan llama3 debugmodel (dim 256, 16 heads), trained in fp32 on CPU.
+    "debug": ModelShape(16, 16, 16, 4),
+}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Modelled seconds of a CA task on one backend/device, for one layer's forward.
+
+    Coefficients are for ``ref_heads`` query heads of ``ref_head_dim``; use
+    :meth:`for_shape` to rescale them to another model.
+    """
+
+    name: str
+    pair_s: float
+    """Seconds per causal query-key pair at full efficiency."""
+    q_token_s: float
+    """Seconds per query row (softmax bookkeeping, output write)."""
+    kv_token_s: float
+    """Seconds per key/value row read."""
+    task_s: float
+    """Fixed seconds per task (kernel launch or per-task call overhead)."""
+    half_q: float
+    """Query-shard length at which pair throughput is half of peak."""
+    ref_heads: int = 8
+    ref_kv_heads: int = 8
+    ref_head_dim: int = 64
+    bwd_factor: float = 2.5
+    """Backward time / forward time (FlashAttention-style recompute)."""
+    source: str = ""
+
+    def time(self, q_len, kv_len, pairs):
+        """Modelled seconds; accepts Python numbers or numpy arrays of equal shape."""
+        q = np.maximum(q_len, 1)
+        return self.task_s + q_len * self.q_token_s + kv_len * self.kv_token_s + pairs * self.pair_s * (
+            1.0 + self.half_q / q
+        )
+
+    def task_time(self, q_start, q_end):
+        """Seconds of the task with queries [q_start, q_end) and KV prefix [0, q_end)."""
+        return self.time(q_end - q_start, q_end, causal_pairs(q_start, q_end))
+
+    def for_shape(self, shape: ModelShape) -> "CostModel":
+        """This model rescaled to ``shape``'s heads and head dim (work scales with H * D)."""
+        sq = (shape.num_heads * shape.head_dim) / (self.ref_heads * self.ref_head_dim)
+        skv = (shape.num_kv_heads * shape.head_dim) / (self.ref_kv_heads * self.ref_head_dim)
+        return replace(
+            self,
+            pair_s=self.pair_s * sq,
+            q_token_s=self.q_token_s * sq,
+            kv_token_s=self.kv_token_s * skv,
+            ref_heads=shape.num_heads,
+            ref_kv_heads=shape.num_kv_heads,
+            ref_head_dim=shape.head_dim,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostModel":
+        return cls(**json.loads(text))
+
+
+def load_cost_model(name_or_path: str = "cpu") -> CostModel:
+    """Load a stored cost model: ``"cpu"``, ``"h200"``, or a path to a JSON file."""
+    p = Path(name_or_path)
+    if p.suffix == ".json" and p.exists():
+        return CostModel.from_json(p.read_text())
+    ref = resources.files("distca") / "data" / f"cost_{name_or_path}.json"
+    if not ref.is_file():
+        names = sorted(
+            f.name[5:-5] for f in (resources.files("distca") / "data").iterdir() if f.name.startswith("cost_")
+        )
+        raise ValueError(f"unknown cost model {name_or_path!r}; stored models: {names}, or pass a .json path")
+    return CostModel.from_json(ref.read_text())
+
+
+# ---- bytes model ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Traffic:
+    """Bytes of one layer's CA dispatch, sparse over (src, dst) rank pairs.
+
+    ``src``, ``dst``, ``fwd`` and ``bwd`` are arrays of equal length P (only pairs
+    with traffic, src != dst, sorted by (src, dst)); ``fwd[i]`` / ``bwd[i]`` are
+    the bytes src sends to dst in the forward / backward pass.
+    """
+
+    ranks: int
+    src: np.ndarray
+    dst: np.ndarray
+    fwd: np.ndarray
+    bwd: np.ndarray
+    server_recv_fwd: np.ndarray
+    """[R] bytes each server receives as inputs (Q + KV rows) in the forward."""
+
+    def _sent_plus_recv(self, b: np.ndarray) -> np.ndarray:
+        R = self.ranks
+        return np.bincount(self.src, b, R) + np.bincount(self.dst, b, R)
+
+    @property
+    def max_server_bytes(self) -> int:
+        """Max over ranks of forward bytes sent plus received."""
+        return int(self._sent_plus_recv(self.fwd).max()) if self.src.size else 0
+
+    @property
+    def total_bytes(self) -> int:
+        """Forward bytes over all pairs."""
+        return int(self.fwd.sum())
+
+    @property
+    def total_bwd_bytes(self) -> int:
+        return int(self.bwd.sum())
+
+
+def _split_rows(lo: np.ndarray, hi: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split stream row intervals [lo, hi) by home rank: (interval index, home rank, rows)."""
+    keep = hi > lo
+    idx0 = np.nonzero(keep)[0]
+    lo, hi = lo[keep], hi[keep]
+    first = lo // T
+    n = (hi - 1) // T - first + 1
+    idx = np.repeat(np.arange(lo.size), n)
+    k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    home = first[idx] + k
+    rows = np.minimum(hi[idx], (home + 1) * T) - np.maximum(lo[idx], home * T)
+    return idx0[idx], home, rows
+
+
+def traffic(
+    cu_seqlens: np.ndarray,
+    tokens_per_rank: int,
+    ranks: int,
+    doc: np.ndarray,
+    q_start: np.ndarray,
+    q_end: np.ndarray,
+    server: np.ndarray,
+    shape: ModelShape,
+    mode: Mode = "resend",
+) -> Traffic:
+    """Bytes moved by a set of tasks (arrays [N]) for one layer.
+
+    Forward: Q rows home -> server, each KV row a server needs once (prefix up to
+    the largest q_end of that document on that server; rows the server holds
+    cost nothing), output + LSE rows server -> home. Backward, ``resend``: home
+    re-sends Q, O, dO, LSE and KV; the server returns dQ and dK/dV (summed per
+    de-duplicated row). ``keep``: only dO and LSE go out; dQ, dK, dV come back.
+    """
+    T = tokens_per_rank
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    g0 = cu[doc]
+    # Q / O rows: one interval per task.
+    qi, qh, qrows = _split_rows(g0 + q_start, g0 + q_end, T)
+    qdst = server[qi]
+    # KV rows: one interval per (server, doc), up to the largest q_end.
+    key = server.astype(np.int64) * (cu.size + 1) + doc
+    order = np.lexsort((-q_end, key))
+    first = np.ones(order.size, dtype=bool)
+    first[1:] = key[order][1:] != key[order][:-1]
+    sel = order[first]
+    ki, kh, krows = _split_rows(g0[sel], g0[sel] + q_end[sel], T)
+    kdst = server[sel][ki]
+
+    q_row, kv_row, lse_row = shape.q_row, shape.kv_row, shape.lse_row
+    if mode == "resend":
+        q_fwd_in, q_bwd_in, kv_bwd_in = q_row, 2 * q_row + q_row + lse_row, kv_row  # q, o, do, lse; k, v
+    elif mode == "keep":
+        q_fwd_in, q_bwd_in, kv_bwd_in = q_row, q_row + lse_row, 0  # do (+ lse for the delta term)
+    else:
+        raise ValueError(f"mode must be 'resend' or 'keep', got {mode!r}")
+    # Contributions: (src, dst, fwd bytes, bwd bytes).
+    qm = qh != qdst
+    km = kh != kdst
+    src = np.concatenate([qh[qm], qdst[qm], kh[km], kdst[km]])
+    dst = np.concatenate([qdst[qm], qh[qm], kdst[km], kh[km]])
+    qr, kr = qrows[qm], krows[km]
+    fwd = np.concatenate([qr * q_fwd_in, qr * (q_row + lse_row), kr * kv_row, kr * 0])
+    bwd = np.concatenate([qr * q_bwd_in, qr * q_row, kr * kv_bwd_in, kr * kv_row])
+    recv = np.bincount(qdst[qm], qr * q_fwd_in, ranks) + np.bincount(kdst[km], kr * kv_row, ranks)
+
+    pair = src * ranks + dst
+    uniq, inv = np.unique(pair, return_inverse=True)
+    fwd_s = np.bincount(inv, fwd, uniq.size).astype(np.int64)
+    bwd_s = np.bincount(inv, bwd, uniq.size).astype(np.int64)
+    return Traffic(ranks, uniq // ranks, uniq % ranks, fwd_s, bwd_s, recv.astype(np.int64))

@@ -1,0 +1,585 @@
+"""The CA planner: assign every query token of a layout to an attention server.
+
+Pure Python + numpy (no torch.distributed), deterministic: every rank that
+calls :func:`plan` with the same arguments gets a byte-identical :class:`Plan`.
+
+Policies (one interface, ``plan(layout, policy=...)``):
+
+- ``colocated``: each rank serves the queries it holds (plain packing).
+- ``per_doc_cp``: every document is cut into 2k head-tail chunks over k ranks
+  (k = ranks, fewer for documents shorter than 2 * ranks * min_shard), as
+  per-document context-parallel balancing (WLB-LLM, PyTorch's per-document
+  load balancer) does.
+- ``greedy``: the paper's communication-aware greedy scheduler (DistCA §4.2 and
+  its public ``Planner.plan_items``): pure pair-count cost, deficit servers
+  largest first, best work-per-byte candidate with its byte estimate of Q plus
+  the whole document's KV, head+tail splits, stop when within ``tolerance``.
+- ``distca`` (default): ours, see :func:`_plan_distca`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import math
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import numpy as np
+
+from distca.cost import MODEL_SHAPES, CostModel, ModelShape, Traffic, causal_pairs, load_cost_model, traffic
+from distca.layout import Layout
+
+__all__ = ["Plan", "Policy", "POLICIES", "plan"]
+
+Policy = Literal["distca", "greedy", "per_doc_cp", "colocated"]
+POLICIES: tuple[str, ...] = get_args(Policy)
+Mode = Literal["resend", "keep"]
+
+_TASK_COLS = ("doc", "q_start", "q_end", "server")
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Which server computes which query range of which document.
+
+    ``tasks`` is a read-only int64 array [N, 4] of (doc, q_start, q_end, server),
+    sorted by (server, doc, q_start); each task's queries are the in-document
+    positions [q_start, q_end) and its KV is the prefix [0, q_end). Loads and
+    traffic are modelled for one layer's forward.
+    """
+
+    layout: Layout
+    policy: str
+    tasks: np.ndarray
+    loads: np.ndarray
+    """float64 [R]: modelled CA seconds per server."""
+    pairs: np.ndarray
+    """int64 [R]: causal query-key pairs per server."""
+    traffic: Traffic
+    shape: ModelShape
+    cost_model: CostModel
+    tolerance: float
+    min_shard: int
+    capacity_bytes: int | None
+    mode: str
+
+    @property
+    def num_tasks(self) -> int:
+        return int(self.tasks.shape[0])
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean of modelled per-server CA time."""
+        m = float(self.loads.mean())
+        return float(self.loads.max()) / m if m > 0 else 1.0
+
+    @property
+    def pairs_imbalance(self) -> float:
+        """max / mean of per-server causal pairs."""
+        m = float(self.pairs.mean())
+        return float(self.pairs.max()) / m if m > 0 else 1.0
+
+    def server_tasks(self, server: int) -> np.ndarray:
+        """Tasks [n, 4] served by ``server``, sorted by (doc, q_start)."""
+        lo, hi = np.searchsorted(self.tasks[:, 3], [server, server + 1])
+        return self.tasks[lo:hi]
+
+    def digest(self) -> str:
+        """SHA-256 of the layout and tasks: equal on every rank iff the plans are equal."""
+        h = hashlib.sha256()
+        h.update(np.asarray([self.layout.ranks, self.layout.tokens_per_rank], dtype=np.int64).tobytes())
+        h.update(self.layout.cu_array.tobytes())
+        h.update(np.ascontiguousarray(self.tasks).tobytes())
+        return h.hexdigest()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Plan) and self.digest() == other.digest()
+
+    def __hash__(self) -> int:
+        return hash(self.digest())
+
+    def to_json(self) -> str:
+        """Serialise the layout, tasks and settings (loads and traffic are recomputed on load)."""
+        return json.dumps(
+            {
+                "ranks": self.layout.ranks,
+                "tokens_per_rank": self.layout.tokens_per_rank,
+                "cu_seqlens": list(self.layout.cu_seqlens),
+                "policy": self.policy,
+                "tasks": self.tasks.tolist(),
+                "shape": vars(self.shape),
+                "cost_model": json.loads(self.cost_model.to_json()),
+                "tolerance": self.tolerance,
+                "min_shard": self.min_shard,
+                "capacity_bytes": self.capacity_bytes,
+                "mode": self.mode,
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        d = json.loads(text)
+        layout = Layout(tuple(d["cu_seqlens"]), d["ranks"], d["tokens_per_rank"])
+        t = np.asarray(d["tasks"], dtype=np.int64).reshape(-1, 4)
+        return _finalize(
+            layout,
+            d["policy"],
+            t[:, 0],
+            t[:, 1],
+            t[:, 2],
+            t[:, 3],
+            shape=ModelShape(**d["shape"]),
+            cost_model=CostModel(**d["cost_model"]),
+            tolerance=d["tolerance"],
+            min_shard=d["min_shard"],
+            capacity_bytes=d["capacity_bytes"],
+            mode=d["mode"],
+            merge=False,
+        )
+
+
+def plan(
+    layout: Layout,
+    policy: Policy = "distca",
+    *,
+    tolerance: float = 0.05,
+    min_shard: int = 128,
+    capacity_bytes: int | None = None,
+    shape: ModelShape | str | None = None,
+    cost_model: CostModel | str | None = None,
+    mode: Mode = "resend",
+) -> Plan:
+    """Plan one step's core attention for ``layout``.
+
+    Args:
+        layout: the CA group's documents (same on every rank).
+        policy: one of :data:`POLICIES`.
+        tolerance: epsilon; balancing policies bring every server's modelled
+            time into [(1 - eps) * mean, (1 + eps) * mean] (``distca`` keeps the
+            overload side within eps / 5, since only the slowest server costs time).
+        min_shard: smallest query shard in tokens the balancers cut (the kernel
+            tile), except for documents that are shorter.
+        capacity_bytes: optional per-server bound on forward input bytes (Q + KV
+            rows) received; ``distca`` never exceeds it and raises ``ValueError``
+            if even the colocated layout does.
+        shape: model shape for the bytes model (name in ``MODEL_SHAPES`` or a
+            :class:`ModelShape`); default ``"llama3-8b"``.
+        cost_model: time model (stored name, path or :class:`CostModel`),
+            rescaled to ``shape``; default ``"cpu"``.
+        mode: ``"resend"`` or ``"keep"``, for the backward bytes.
+
+    Example:
+        >>> from distca import Layout, plan
+        >>> lay = Layout.from_doclens([4000, 300, 200, 500], ranks=2, tokens_per_rank=2500)
+        >>> p = plan(lay)
+        >>> round(p.imbalance, 2) <= 1.05
+        True
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a distca.Layout, got {type(layout).__name__}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {list(POLICIES)}, got {policy!r}")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0.0 <= tolerance < 1.0:
+        raise ValueError(f"tolerance must be a number in [0, 1), got {tolerance!r}")
+    if isinstance(min_shard, bool) or not isinstance(min_shard, int) or min_shard < 1:
+        raise ValueError(f"min_shard must be an int >= 1, got {min_shard!r}")
+    if capacity_bytes is not None and (
+        isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0
+    ):
+        raise ValueError(f"capacity_bytes must be None or an int >= 0, got {capacity_bytes!r}")
+    if mode not in ("resend", "keep"):
+        raise ValueError(f"mode must be 'resend' or 'keep', got {mode!r}")
+    shape = _resolve_shape(shape)
+    cm = _resolve_cost(cost_model, shape)
+
+    if policy == "colocated":
+        s = layout.segments
+        cols = (s.doc, s.start, s.end, s.rank)
+    elif policy == "per_doc_cp":
+        cols = _plan_per_doc_cp(layout, min_shard)
+    elif policy == "greedy":
+        cols = _plan_greedy(layout, shape, tolerance)
+    else:
+        cols = _plan_distca(layout, cm, shape, tolerance, tolerance / 5.0, min_shard, capacity_bytes)
+    return _finalize(
+        layout,
+        policy,
+        *cols,
+        shape=shape,
+        cost_model=cm,
+        tolerance=float(tolerance),
+        min_shard=min_shard,
+        capacity_bytes=capacity_bytes,
+        mode=mode,
+    )
+
+
+def _resolve_shape(shape: ModelShape | str | None) -> ModelShape:
+    if shape is None:
+        return MODEL_SHAPES["llama3-8b"]
+    if isinstance(shape, ModelShape):
+        return shape
+    if isinstance(shape, str) and shape in MODEL_SHAPES:
+        return MODEL_SHAPES[shape]
+    raise ValueError(f"shape must be a ModelShape or one of {sorted(MODEL_SHAPES)}, got {shape!r}")
+
+
+def _resolve_cost(cost_model: CostModel | str | None, shape: ModelShape) -> CostModel:
+    if cost_model is None:
+        cost_model = "cpu"
+    if isinstance(cost_model, str):
+        cost_model = load_cost_model(cost_model)
+    if not isinstance(cost_model, CostModel):
+        raise TypeError(f"cost_model must be a CostModel, a stored name or a path, got {type(cost_model).__name__}")
+    return cost_model.for_shape(shape)
+
+
+def _finalize(
+    layout: Layout,
+    policy: str,
+    doc,
+    q_start,
+    q_end,
+    server,
+    *,
+    shape: ModelShape,
+    cost_model: CostModel,
+    tolerance: float,
+    min_shard: int,
+    capacity_bytes: int | None,
+    mode: str,
+    merge: bool = True,
+) -> Plan:
+    doc, q_start, q_end, server = (np.asarray(a, dtype=np.int64) for a in (doc, q_start, q_end, server))
+    order = np.lexsort((q_start, doc, server))
+    doc, q_start, q_end, server = doc[order], q_start[order], q_end[order], server[order]
+    if merge and doc.size > 1:
+        # Adjacent query ranges of one document on one server become one task:
+        # same KV prefix, one kernel task less.
+        new = np.ones(doc.size, dtype=bool)
+        new[1:] = (server[1:] != server[:-1]) | (doc[1:] != doc[:-1]) | (q_start[1:] != q_end[:-1])
+        idx = np.nonzero(new)[0]
+        q_end = np.maximum.reduceat(q_end, idx)
+        doc, q_start, server = doc[idx], q_start[idx], server[idx]
+    tasks = np.stack([doc, q_start, q_end, server], axis=1) if doc.size else np.zeros((0, 4), np.int64)
+    tasks.flags.writeable = False
+    R = layout.ranks
+    loads = np.bincount(server, cost_model.task_time(q_start, q_end), R).astype(np.float64)
+    pairs = np.bincount(server, causal_pairs(q_start, q_end), R).astype(np.int64)
+    tr = traffic(layout.cu_array, layout.tokens_per_rank, R, doc, q_start, q_end, server, shape, mode)
+    for a in (loads, pairs):
+        a.flags.writeable = False
+    return Plan(
+        layout, policy, tasks, loads, pairs, tr, shape, cost_model, tolerance, min_shard, capacity_bytes, mode
+    )
+
+
+# ---- per-document CP -----------------------------------------------------------------
+
+
+def _plan_per_doc_cp(layout: Layout, min_shard: int):
+    R = layout.ranks
+    L = layout.doc_lens
+    k = np.clip(L // (2 * min_shard), 1, R)  # ranks per document
+    # Documents start on the rank after the one the previous document started on,
+    # so documents spread over fewer than R ranks still spread the load.
+    first = np.concatenate([[0], np.cumsum(k)[:-1]]) % R
+    n = 2 * k
+    d = np.repeat(np.arange(L.size), n)
+    i = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    nd = n[d]
+    lo = L[d] * i // nd
+    hi = L[d] * (i + 1) // nd
+    slot = np.where(i < k[d], i, nd - 1 - i)  # chunk i and chunk 2k-1-i share a rank
+    server = (first[d] + slot) % R
+    keep = hi > lo
+    return d[keep], lo[keep], hi[keep], server[keep]
+
+
+# ---- the paper's greedy ----------------------------------------------------------------
+
+
+def _plan_greedy(layout: Layout, shape: ModelShape, tolerance: float):
+    """DistCA's greedy scheduler, as its paper and public code describe it.
+
+    Items are head+tail pairs (a colocated segment [a, b) is head [a, c) and
+    tail [c, b), c the middle); moving k pairs from the item's inner ends moves
+    k * (h1 + t0 + 1) causal pairs. The byte estimate is the code's: Q rows for
+    flops / (L + 1) tokens plus K and V of the whole document.
+    """
+    s = layout.segments
+    R = layout.ranks
+    n0 = s.doc.size
+    cap = n0 + 4 * R + 16
+    doc = np.zeros(cap, np.int64)
+    h0, h1, t0, t1, srv = (np.zeros(cap, np.int64) for _ in range(5))
+    mid = (s.start + s.end) // 2
+    doc[:n0], h0[:n0], h1[:n0], t0[:n0], t1[:n0], srv[:n0] = s.doc, s.start, mid, mid, s.end, s.rank
+    n = n0
+    work = causal_pairs(h0, h1) + causal_pairs(t0, t1)
+    F = np.bincount(srv[:n], work[:n], R).astype(np.float64)
+    mean = F.sum() / R
+    dlen = layout.doc_lens.astype(np.float64)
+    q_row, kv_row = shape.q_row, shape.kv_row
+
+    deficit_order = np.argsort(-(mean - F), kind="stable")
+    for j in deficit_order.tolist():
+        while mean - F[j] > tolerance * mean:
+            need = mean - F[j]
+            surplus = F - mean
+            cand_s = surplus[srv[:n]]
+            w = work[:n]
+            ok = (cand_s > 0) & (w > 0) & (srv[:n] != j)
+            if not ok.any():
+                break
+            movable = np.minimum(np.minimum(w, cand_s), need)
+            Ld = dlen[doc[:n]]
+            nbytes = q_row * movable / (Ld + 1.0) + kv_row * Ld
+            score = np.where(ok, nbytes / np.maximum(movable, 1e-9), np.inf)
+            i = int(np.argmin(score))
+            mv = float(movable[i])
+            src = int(srv[i])
+            per_pair = h1[i] + t0[i] + 1
+            kmax = min(h1[i] - h0[i], t1[i] - t0[i])
+            k = int(round(mv / per_pair)) if per_pair > 0 else 0
+            if mv >= work[i] or kmax == 0 or k >= kmax:
+                srv[i] = j  # move the whole item
+                moved = work[i]
+            else:
+                k = max(k, 1)
+                if n == cap:
+                    grow = cap
+                    doc, h0, h1, t0, t1, srv, work = (np.concatenate([a, np.zeros(grow, a.dtype)]) for a in (doc, h0, h1, t0, t1, srv, work))
+                    cap += grow
+                doc[n], h0[n], h1[n], t0[n], t1[n], srv[n] = doc[i], h1[i] - k, h1[i], t0[i], t0[i] + k, j
+                work[n] = causal_pairs(h0[n], h1[n]) + causal_pairs(t0[n], t1[n])
+                h1[i] -= k
+                t0[i] += k
+                work[i] = causal_pairs(h0[i], h1[i]) + causal_pairs(t0[i], t1[i])
+                moved = work[n]
+                n += 1
+            F[src] -= moved
+            F[j] += moved
+    # Each item becomes up to two tasks: its head and its tail.
+    d = np.concatenate([doc[:n], doc[:n]])
+    lo = np.concatenate([h0[:n], t0[:n]])
+    hi = np.concatenate([h1[:n], t1[:n]])
+    sv = np.concatenate([srv[:n], srv[:n]])
+    keep = hi > lo
+    return d[keep], lo[keep], hi[keep], sv[keep]
+
+
+# ---- ours ---------------------------------------------------------------------------------
+
+
+def _isqrt_root(c: float) -> float:
+    """Positive root y of y (y + 1) = c."""
+    return (-1.0 + math.sqrt(1.0 + 4.0 * max(c, 0.0))) / 2.0
+
+
+class _Balancer:
+    """State of one ``distca`` planning run; see :func:`_plan_distca`."""
+
+    def __init__(self, layout: Layout, cm: CostModel, shape: ModelShape, min_shard: int, capacity: int | None):
+        self.R, self.T = layout.ranks, layout.tokens_per_rank
+        self.cu = layout.cu_array
+        self.cm = cm
+        self.min_shard = min_shard
+        s = self.seg = layout.segments
+        # Bytes per moved query row (Q out, O + LSE back) and per KV row.
+        self.qb = 2 * shape.q_row + shape.lse_row
+        self.kvb = shape.kv_row
+        self.q_row = shape.q_row
+        self.starts, self.ends = s.start.tolist(), s.end.tolist()
+        self.free: dict[int, list[tuple[int, int]]] = {}  # kept query ranges of the pieces that were cut
+        self.docs = s.doc.tolist()
+        seg_time = cm.task_time(s.start, s.end)
+        self.piece_t = seg_time.tolist()  # modelled seconds of each piece's kept ranges
+        self.load = np.bincount(s.rank, seg_time, self.R).astype(np.float64)
+        self.coef = (cm.task_s, cm.q_token_s, cm.kv_token_s, cm.pair_s, cm.half_q)
+        self.moved: list[tuple[int, int, int, int]] = []
+        self.cap = capacity
+        if capacity is not None:
+            self.recv = np.bincount(s.rank, s.start * self.kvb, self.R).astype(np.float64)
+            if self.recv.max() > capacity:
+                r = int(self.recv.argmax())
+                raise ValueError(
+                    f"capacity_bytes={capacity} is below what rank {r} must receive even with no balancing "
+                    f"({int(self.recv[r])} bytes of KV prefix for documents it continues); raise capacity_bytes"
+                )
+            self.kv_have: dict[tuple[int, int], int] = {}
+            for r_, d_, e_ in zip(s.rank.tolist(), self.docs, s.end.tolist()):
+                self.kv_have[(r_, d_)] = max(self.kv_have.get((r_, d_), 0), e_)
+
+    def t(self, a: int, b: int) -> float:
+        """CostModel.task_time for Python ints, without numpy's per-call overhead."""
+        if b <= a:
+            return 0.0
+        task_s, q_s, kv_s, pair_s, half_q = self.coef
+        m = b - a
+        return task_s + m * q_s + b * kv_s + (b * (b + 1) - a * (a + 1)) // 2 * pair_s * (1.0 + half_q / m)
+
+    def intervals(self, i: int) -> list[tuple[int, int]]:
+        ivs = self.free.get(i)
+        return [(self.starts[i], self.ends[i])] if ivs is None else ivs
+
+    def candidate(self, i: int, w_pairs: float) -> tuple[float, int, int, int] | None:
+        """Cheapest chunk (bytes per pair, interval index, x, e) of about ``w_pairs`` pairs in piece i.
+
+        A chunk [x, e) costs about qb * (e - x) + kvb * e bytes, and e - x ~ w / e,
+        so for a fixed amount of work the best end is e* = sqrt(qb * w / kvb):
+        shallow chunks move many Q rows, deep chunks need a long KV prefix.
+        """
+        ms = self.min_shard
+        e_star = math.sqrt(self.qb * w_pairs / self.kvb)
+        best = None
+        for k, (u, v) in enumerate(self.intervals(i)):
+            if causal_pairs(u, v) <= w_pairs:
+                x, e = u, v
+            else:
+                e_min = math.ceil(_isqrt_root(2.0 * w_pairs + u * (u + 1)))
+                e = int(min(max(round(e_star), e_min), v))
+                x = int(round(_isqrt_root(e * (e + 1) - 2.0 * w_pairs)))
+                x = min(max(x, u), e - 1)
+                if e - x < ms:
+                    x = max(u, e - ms)
+                    if e - x < ms:
+                        e = min(v, x + ms)
+                if 0 < x - u < ms:
+                    x = u
+                if 0 < v - e < ms:
+                    e = v
+            work = causal_pairs(x, e)
+            score = (self.qb * (e - x) + self.kvb * e) / max(work, 1)
+            if best is None or score < best[0]:
+                best = (score, k, x, e)
+        return best
+
+    def in_bytes(self, j: int, d: int, x: int, e: int) -> float:
+        """Forward input bytes server j receives for queries [x, e) of document d."""
+        g0 = int(self.cu[d])
+        jl, jh = j * self.T, (j + 1) * self.T
+        own_q = max(0, min(g0 + e, jh) - max(g0 + x, jl))
+        have = self.kv_have.get((j, d), 0)
+        kv_rows = 0
+        if e > have:
+            kv_rows = (e - have) - max(0, min(g0 + e, jh) - max(g0 + have, jl))
+        return (e - x - own_q) * self.q_row + kv_rows * self.kvb
+
+    def shed(self, donors: list[int], receivers: list[int], mean: float, hi_bound: float) -> None:
+        load, cm = self.load, self.cm
+        heap = [(-(mean - load[j]), j) for j in receivers if mean - load[j] > 0]
+        heapq.heapify(heap)
+        s = self.seg
+        for d in donors:
+            lo_i, hi_i = (int(v) for v in np.searchsorted(s.rank, [d, d + 1]))
+            # Only the donor's heaviest pieces are worth cutting: their chunks have
+            # the most work per byte, and looking at few keeps planning fast.
+            pieces = sorted(range(lo_i, hi_i), key=lambda i: (-self.piece_t[i], i))[:4]
+            parked: list[tuple[float, int]] = []
+            while heap and load[d] > mean:
+                need = load[d] - mean
+                room, j = heap[0]
+                room = -room
+                w = min(need, room)
+                w_pairs = max((w - cm.task_s) / cm.pair_s, 1.0) if cm.pair_s > 0 else 1.0
+                best = None
+                for i in pieces:
+                    c = self.candidate(i, w_pairs)
+                    if c is not None and (best is None or c[0] < best[0]):
+                        best = (*c, i)
+                if best is None:
+                    break
+                _, k, x, e, i = best
+                t = self.t(x, e)
+                if load[d] <= hi_bound and t > need + (hi_bound - mean):
+                    break  # the smallest allowed cut would overshoot; the donor is within bounds
+                if load[j] + t > hi_bound and e - x > self.min_shard:
+                    # Overshoot from rounding and overheads: cut once more with the excess removed.
+                    c = self.candidate(i, w_pairs * max(0.1, (hi_bound - load[j]) / t))
+                    if c is not None:
+                        _, k, x, e = c
+                        t = self.t(x, e)
+                fits = load[j] + t <= hi_bound
+                doc = self.docs[i]
+                if fits and self.cap is not None:
+                    nb = self.in_bytes(j, doc, x, e)
+                    fits = self.recv[j] + nb <= self.cap
+                heapq.heappop(heap)
+                if not fits:
+                    parked.append((-room, j))
+                    continue
+                if self.cap is not None:
+                    self.recv[j] += nb
+                    self.kv_have[(j, doc)] = max(self.kv_have.get((j, doc), 0), e)
+                ivs = self.intervals(i)
+                u, v = ivs[k]
+                ivs = ivs[:k] + [iv for iv in ((u, x), (e, v)) if iv[1] > iv[0]] + ivs[k + 1 :]
+                self.free[i] = ivs
+                after = sum(self.t(a, b) for a, b in ivs)
+                load[d] -= self.piece_t[i] - after
+                self.piece_t[i] = after
+                load[j] += t
+                self.moved.append((doc, x, e, j))
+                left = mean - load[j]
+                if left > 2e-3 * mean:
+                    heapq.heappush(heap, (-left, j))
+            for item in parked:
+                heapq.heappush(heap, item)
+
+    def tasks(self):
+        s = self.seg
+        untouched = np.ones(s.doc.size, dtype=bool)
+        untouched[list(self.free)] = False
+        cut = [(self.docs[i], u, v, int(s.rank[i])) for i, ivs in self.free.items() for u, v in ivs if v > u]
+        extra = np.asarray(cut + self.moved, dtype=np.int64).reshape(-1, 4)
+        return tuple(
+            np.concatenate([col[untouched], extra[:, k]])
+            for k, col in enumerate((s.doc, s.start, s.end, s.rank))
+        )
+
+
+def _plan_distca(
+    layout: Layout,
+    cm: CostModel,
+    shape: ModelShape,
+    tolerance: float,
+    overload: float,
+    min_shard: int,
+    capacity_bytes: int | None,
+):
+    """Move work off overloaded servers in few chunks, each cut where it is cheapest to move.
+
+    Start from the colocated assignment (no Q or output traffic at all). Each
+    server above (1 + overload) * mean, largest first, sheds down to the mean.
+    Receivers are taken largest deficit first and get one chunk sized from the
+    time model to fill them, so most get one task and one KV prefix per document.
+    The chunk is cut from the donor's heaviest pieces where bytes per unit of
+    work are lowest: a chunk [x, e) moves about (e - x) Q/O rows and e KV rows,
+    so small chunks come from the middle of a document and large ones from its
+    tail, instead of always the tail (the paper's head+tail middle split) or
+    always whole documents. No shard is below ``min_shard`` unless its document
+    piece is shorter. Splitting adds per-task and KV-read time, so the mean
+    grows slightly; the pass repeats against the new mean, then lifts servers
+    still below (1 - tolerance) * mean from servers above the mean.
+    """
+    R = layout.ranks
+    if R == 1:
+        s = layout.segments
+        return s.doc, s.start, s.end, s.rank
+    bal = _Balancer(layout, cm, shape, min_shard, capacity_bytes)
+    load = bal.load
+    for _ in range(4):
+        mean = float(load.sum()) / R
+        hi_bound, lo_bound = mean * (1.0 + overload), mean * (1.0 - tolerance)
+        if load.max() <= hi_bound and load.min() >= lo_bound:
+            break
+        order = np.argsort(-load, kind="stable")
+        bal.shed([int(r) for r in order if load[r] > hi_bound], [int(r) for r in order[::-1] if load[r] < mean], mean, hi_bound)
+        if load.min() < lo_bound:
+            order = np.argsort(-load, kind="stable")
+            bal.shed([int(r) for r in order if load[r] > mean], [int(r) for r in order[::-1] if load[r] < lo_bound], mean, hi_bound)
+    return bal.tasks()

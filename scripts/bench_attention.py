@@ -1,0 +1,184 @@
+"""Kernel efficiency of fused query shards versus one whole causal document.
+
+A document of ``--doc-len`` tokens is cut into query shards of ``S`` tokens; shard
+``i`` is one task with queries ``[i*S, (i+1)*S)`` and its KV prefix ``[0, (i+1)*S)``,
+and all shards go into ONE fused varlen call. Together they cover exactly the
+document's causal pairs, so the reference is one causal call on the whole
+document and
+
+    efficiency = (pairs / s, fused shards) / (pairs / s, whole document)
+
+for the forward and for forward+backward. Efficiency below 1 is the price of
+sharding: short tasks re-read long KV prefixes and use the kernel's tiles
+poorly. The fused KV tensor holds every prefix, ``S * n * (n + 1) / 2`` tokens for
+``n`` shards, so small shards need memory (S=16, doc 8192, 8 heads, D=64, fp32:
+about 0.5 GiB each for k and v).
+
+    python scripts/bench_attention.py                 # table, CPU defaults
+    python scripts/bench_attention.py --json          # one JSON object per shard size per line
+    python scripts/bench_attention.py --device cuda --dtype bfloat16 --heads 32 --kv-heads 8 --head-dim 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from distca.kernels import select_backend, varlen_attn_backward, varlen_attn_forward
+
+DEFAULT_SHARDS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--heads", type=int, default=8, help="query heads (default: 8)")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: --heads)")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--doc-len", type=int, default=8192, help="document length in tokens")
+    p.add_argument(
+        "--shards",
+        default=",".join(map(str, DEFAULT_SHARDS)),
+        help="comma-separated shard sizes (default: %(default)s)",
+    )
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per case; the minimum is kept")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument("--backend", default=None, help="cpu, flash_attn, torch_varlen (default: auto)")
+    p.add_argument("--json", action="store_true", help="one JSON object per shard size per line")
+    args = p.parse_args(argv)
+    args.kv_heads = args.kv_heads or args.heads
+    args.shards = [int(s) for s in args.shards.split(",") if s]
+    if args.heads % args.kv_heads:
+        p.error(f"--heads={args.heads} must be a multiple of --kv-heads={args.kv_heads}")
+    if any(s <= 0 or s > args.doc_len for s in args.shards):
+        p.error(f"shard sizes must be in [1, --doc-len={args.doc_len}], got {args.shards}")
+    return args
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _shard_layout(doc_len: int, shard: int) -> tuple[list[int], list[int]]:
+    """cu_seqlens (q, k) of a document cut into query shards with KV prefixes."""
+    cu_q, cu_k = [0], [0]
+    for start in range(0, doc_len, shard):
+        end = min(start + shard, doc_len)
+        cu_q.append(end)
+        cu_k.append(cu_k[-1] + end)
+    return cu_q, cu_k
+
+
+def _time_case(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: list[int],
+    cu_k: list[int],
+    backend: str,
+    repeats: int,
+) -> tuple[float, float]:
+    """Best (forward, forward+backward) wall time in seconds over ``repeats`` runs."""
+    device = q.device
+    cu_q_t = torch.tensor(cu_q, dtype=torch.int32)
+    cu_k_t = torch.tensor(cu_k, dtype=torch.int32)
+    max_q = max(b - a for a, b in zip(cu_q[:-1], cu_q[1:]))
+    max_k = max(b - a for a, b in zip(cu_k[:-1], cu_k[1:]))
+    meta = (cu_q_t, cu_k_t, max_q, max_k, q.shape[-1] ** -0.5, True, backend)
+    dout = torch.randn_like(q)
+    fwd, fwdbwd = float("inf"), float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        out, lse = varlen_attn_forward(q, k, v, *meta)
+        _sync(device)
+        t1 = time.perf_counter()
+        varlen_attn_backward(dout, q, k, v, out, lse, *meta)
+        _sync(device)
+        t2 = time.perf_counter()
+        fwd = min(fwd, t1 - t0)
+        fwdbwd = min(fwdbwd, t2 - t0)
+    return fwd, fwdbwd
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    backend = select_backend(device, args.backend)
+    gen = torch.Generator().manual_seed(0)
+    L, hq, hkv, d = args.doc_len, args.heads, args.kv_heads, args.head_dim
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    q = randn(L, hq, d)  # [L, Hq, D]
+    k_doc, v_doc = randn(L, hkv, d), randn(L, hkv, d)  # [L, Hkv, D]
+    pairs = L * (L + 1) // 2
+    whole = _time_case(q, k_doc, v_doc, [0, L], [0, L], backend, args.repeats)
+
+    rows = []
+    for shard in args.shards:
+        cu_q, cu_k = _shard_layout(L, shard)
+        ends = cu_q[1:]
+        k = torch.cat([k_doc[:e] for e in ends])  # [sum of prefixes, Hkv, D]
+        v = torch.cat([v_doc[:e] for e in ends])
+        fwd, fwdbwd = _time_case(q, k, v, cu_q, cu_k, backend, args.repeats)
+        del k, v
+        rows.append(
+            {
+                "shard": shard,
+                "tasks": len(ends),
+                "pairs": pairs,
+                "fwd_s": fwd,
+                "fwdbwd_s": fwdbwd,
+                "efficiency_fwd": whole[0] / fwd,
+                "efficiency_fwdbwd": whole[1] / fwdbwd,
+                "whole_fwd_s": whole[0],
+                "whole_fwdbwd_s": whole[1],
+            }
+        )
+    return rows
+
+
+def _print_table(args: argparse.Namespace, rows: list[dict]) -> None:
+    backend = select_backend(args.device, args.backend)
+    print(
+        f"device={args.device} backend={backend} dtype={args.dtype} heads={args.heads} "
+        f"kv_heads={args.kv_heads} head_dim={args.head_dim} doc_len={args.doc_len} "
+        f"threads={torch.get_num_threads()} repeats={args.repeats}"
+    )
+    if rows:
+        r = rows[0]
+        pairs_h = r["pairs"] * args.heads
+        print(
+            f"whole document: fwd {r['whole_fwd_s']:.4f} s, fwd+bwd {r['whole_fwdbwd_s']:.4f} s "
+            f"({pairs_h / r['whole_fwd_s'] / 1e9:.3f} / {pairs_h / r['whole_fwdbwd_s'] / 1e9:.3f} "
+            f"G head-pairs/s)"
+        )
+    print(f"{'shard':>6} {'tasks':>6} {'fwd_s':>9} {'fwdbwd_s':>9} {'eff_fwd':>8} {'eff_fwdbwd':>10}")
+    for r in rows:
+        print(
+            f"{r['shard']:>6} {r['tasks']:>6} {r['fwd_s']:>9.4f} {r['fwdbwd_s']:>9.4f} "
+            f"{r['efficiency_fwd']:>8.3f} {r['efficiency_fwdbwd']:>10.3f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
+    rows = run(args)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        _print_table(args, rows)
+
+
+if __name__ == "__main__":
+    main()
