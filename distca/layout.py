@@ -52,7 +52,7 @@ def _int_array(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
         if np.issubdtype(arr.dtype, np.floating) and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)):
             pass  # integral floats (e.g. 512.0) are accepted
         else:
-            bad = next((v for v in arr.tolist() if not float(v).is_integer()), arr.tolist()[0])
+            bad = next((v for v in arr.tolist() if not isinstance(v, float) or not v.is_integer()), arr.tolist()[0])
             raise TypeError(f"{name} must contain integers, got {bad!r} (dtype {arr.dtype})")
     return arr.astype(np.int64)
 

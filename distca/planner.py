@@ -401,6 +401,17 @@ class _Balancer:
         self.load = np.bincount(s.rank, seg_time, self.R).astype(np.float64)
         self.coef = (cm.task_s, cm.q_token_s, cm.kv_token_s, cm.pair_s, cm.half_q)
         self.moved: list[tuple[int, int, int, int]] = []
+        self.doc_recv: dict[int, list[int]] = {}  # servers that were given chunks of a document
+        # Only a donor's heaviest pieces are worth cutting (their chunks have the
+        # most work per byte), and looking at few keeps planning fast.
+        order = np.lexsort((np.arange(s.rank.size), -seg_time, s.rank))
+        rank_sorted = s.rank[order]
+        first = np.searchsorted(rank_sorted, np.arange(self.R))
+        within = np.arange(order.size) - first[rank_sorted]
+        top = order[within < 4]
+        self.top_pieces: list[list[int]] = [[] for _ in range(self.R)]
+        for r, i in zip(s.rank[top].tolist(), top.tolist()):
+            self.top_pieces[r].append(i)
         self.cap = capacity
         if capacity is not None:
             self.recv = np.bincount(s.rank, s.start * self.kvb, self.R).astype(np.float64)
@@ -426,37 +437,72 @@ class _Balancer:
         ivs = self.free.get(i)
         return [(self.starts[i], self.ends[i])] if ivs is None else ivs
 
-    def candidate(self, i: int, w_pairs: float) -> tuple[float, int, int, int] | None:
-        """Cheapest chunk (bytes per pair, interval index, x, e) of about ``w_pairs`` pairs in piece i.
+    def cut(self, u: int, v: int, w_pairs: float) -> tuple[int, int]:
+        """Chunk [x, e) of about ``w_pairs`` pairs inside [u, v), cut where it is cheapest to move.
 
         A chunk [x, e) costs about qb * (e - x) + kvb * e bytes, and e - x ~ w / e,
         so for a fixed amount of work the best end is e* = sqrt(qb * w / kvb):
         shallow chunks move many Q rows, deep chunks need a long KV prefix.
+        Pieces left on either side are empty or at least ``min_shard`` long.
         """
         ms = self.min_shard
-        e_star = math.sqrt(self.qb * w_pairs / self.kvb)
+        if causal_pairs(u, v) <= w_pairs:
+            return u, v
+        e_min = math.ceil(_isqrt_root(2.0 * w_pairs + u * (u + 1)))
+        e = int(min(max(round(math.sqrt(self.qb * w_pairs / self.kvb)), e_min), v))
+        x = min(max(int(round(_isqrt_root(e * (e + 1) - 2.0 * w_pairs))), u), e - 1)
+        if e - x < ms:
+            x = max(u, e - ms)
+            if e - x < ms:
+                e = min(v, x + ms)
+        if 0 < x - u < ms:
+            x = u
+        if 0 < v - e < ms:
+            e = v
+        return x, e
+
+    def best_chunk(self, pieces: list[int], w: float) -> tuple[int, int, int, int, float] | None:
+        """Cheapest chunk worth about ``w`` seconds in ``pieces``: (piece, interval, x, e, seconds)."""
+        task_s, pair_s = self.coef[0], self.coef[3]
+        w_pairs0 = max((w - task_s) / pair_s, 1.0)
+        qb, kvb = self.qb, self.kvb
         best = None
-        for k, (u, v) in enumerate(self.intervals(i)):
-            if causal_pairs(u, v) <= w_pairs:
-                x, e = u, v
-            else:
-                e_min = math.ceil(_isqrt_root(2.0 * w_pairs + u * (u + 1)))
-                e = int(min(max(round(e_star), e_min), v))
-                x = int(round(_isqrt_root(e * (e + 1) - 2.0 * w_pairs)))
-                x = min(max(x, u), e - 1)
-                if e - x < ms:
-                    x = max(u, e - ms)
-                    if e - x < ms:
-                        e = min(v, x + ms)
-                if 0 < x - u < ms:
-                    x = u
-                if 0 < v - e < ms:
-                    e = v
-            work = causal_pairs(x, e)
-            score = (self.qb * (e - x) + self.kvb * e) / max(work, 1)
-            if best is None or score < best[0]:
-                best = (score, k, x, e)
-        return best
+        e_star = math.sqrt(qb * w_pairs0 / kvb)
+        two_w = 2.0 * w_pairs0
+        sqrt = math.sqrt
+        for i in pieces:
+            if self.piece_t[i] < 0.25 * w and best is not None:
+                continue  # a small piece: moving all of it has poor work per byte
+            for k, (u, v) in enumerate(self.intervals(i)):
+                # The score of cut()'s chunk, inlined without min-shard snapping:
+                # this loop is the planner's hot path.
+                whole = (v * (v + 1) - u * (u + 1)) * 0.5
+                if whole <= w_pairs0:
+                    x, e = u, v
+                    score = (qb * (v - u) + kvb * v) / max(whole, 1.0)
+                else:
+                    e_min = (sqrt(1.0 + 4.0 * (two_w + u * (u + 1))) - 1.0) * 0.5
+                    e = min(max(e_star, e_min), v)
+                    x = (sqrt(max(1.0 + 4.0 * (e * (e + 1) - two_w), 1.0)) - 1.0) * 0.5
+                    score = (qb * (e - x) + kvb * e) / w_pairs0
+                if best is None or score < best[0]:
+                    best = (score, i, k, u, v, x, e)
+        if best is None:
+            return None
+        _, i, k, u, v, x, e = best
+        # The time model is not linear in pairs: start from the chunk's overheads
+        # (per task, per Q row, per KV row, short-shard efficiency), then refine
+        # from below, so a receiver is never filled past its room by the error.
+        _, q_s, kv_s, _, half_q = self.coef
+        overhead = task_s + q_s * (e - x) + kv_s * e + pair_s * half_q * (e + x) * 0.5
+        w_pairs = max((w - overhead) / pair_s, 1.0)
+        for it in range(5):
+            x, e = self.cut(u, v, w_pairs)
+            t = self.t(x, e)
+            if 0.99 * w <= t <= w or (x == u and e == v and t < w):
+                break
+            w_pairs *= (w / t) * (0.995 if it else 1.0)
+        return i, k, x, e, t
 
     def in_bytes(self, j: int, d: int, x: int, e: int) -> float:
         """Forward input bytes server j receives for queries [x, e) of document d."""
@@ -469,48 +515,71 @@ class _Balancer:
             kv_rows = (e - have) - max(0, min(g0 + e, jh) - max(g0 + have, jl))
         return (e - x - own_q) * self.q_row + kv_rows * self.kvb
 
-    def shed(self, donors: list[int], receivers: list[int], mean: float, hi_bound: float) -> None:
-        load, cm = self.load, self.cm
-        heap = [(-(mean - load[j]), j) for j in receivers if mean - load[j] > 0]
+    def shed(
+        self, donors: list[int], receivers: list[int], mean: float, hi_bound: float, fill: float, floor: float | None = None
+    ) -> None:
+        """Move work from ``donors`` (in order) to ``receivers`` until donors reach ``floor``
+        (default: the receivers' fill level)."""
+        load = self.load
+        # Donors shed to, and receivers fill to, a fraction ``fill`` of the overload
+        # band past the mean: servers between the mean and the bound keep their
+        # excess, and the room left lets each donor finish with fewer, larger chunks.
+        fill_to = mean + fill * (hi_bound - mean)
+        min_room = 2e-3 * mean
+        # Max-heap on room, lazily updated: an entry is checked against load on pop.
+        heap = [(-(fill_to - load[j]), j) for j in receivers if fill_to - load[j] > min_room]
         heapq.heapify(heap)
+        active = {j for _, j in heap}
         s = self.seg
         for d in donors:
-            lo_i, hi_i = (int(v) for v in np.searchsorted(s.rank, [d, d + 1]))
-            # Only the donor's heaviest pieces are worth cutting: their chunks have
-            # the most work per byte, and looking at few keeps planning fast.
-            pieces = sorted(range(lo_i, hi_i), key=lambda i: (-self.piece_t[i], i))[:4]
-            parked: list[tuple[float, int]] = []
-            while heap and load[d] > mean:
-                need = load[d] - mean
-                room, j = heap[0]
-                room = -room
-                w = min(need, room)
-                w_pairs = max((w - cm.task_s) / cm.pair_s, 1.0) if cm.pair_s > 0 else 1.0
-                best = None
-                for i in pieces:
-                    c = self.candidate(i, w_pairs)
-                    if c is not None and (best is None or c[0] < best[0]):
-                        best = (*c, i)
+            if not heap and (load[d] <= hi_bound or fill_to >= mean + 0.9 * (hi_bound - mean)):
+                continue  # nowhere to shed to, and no mop-up to open
+            active.discard(d)
+            pieces = self.top_pieces[d]
+            parked: list[int] = []
+            while load[d] > (fill_to if floor is None else floor):
+                while heap and (heap[0][1] not in active or -heap[0][0] != fill_to - load[heap[0][1]]):
+                    _, j = heapq.heappop(heap)  # stale entry: re-push with its current room
+                    if j in active and fill_to - load[j] > min_room:
+                        heapq.heappush(heap, (-(fill_to - load[j]), j))
+                    else:
+                        active.discard(j)
+                if not heap:
+                    if load[d] <= hi_bound or fill_to >= mean + 0.9 * (hi_bound - mean):
+                        break
+                    # Out of room (splitting overheads raised the total): open
+                    # every server up to 90% of the band, once, for this donor on.
+                    fill_to = mean + 0.9 * (hi_bound - mean)
+                    heap = [(-(fill_to - load[j]), j) for j in range(self.R) if j != d and fill_to - load[j] > min_room]
+                    heapq.heapify(heap)
+                    active = {j for _, j in heap} - set(parked)
+                    if not heap:
+                        break
+                    continue
+                need = load[d] - (fill_to if floor is None else floor)
+                j = heap[0][1]
+                # A server that already pulls the KV prefix of the donor's heaviest
+                # document (from an earlier donor) takes the next chunk if it has
+                # room: that KV is paid for.
+                top = max(pieces, key=lambda i: self.piece_t[i])
+                for j2 in self.doc_recv.get(self.docs[top], ()):
+                    if j2 in active and fill_to - load[j2] > 0.25 * min(need, fill_to - load[j]):
+                        j = j2
+                        break
+                best = self.best_chunk(pieces, min(need, fill_to - load[j]))
                 if best is None:
                     break
-                _, k, x, e, i = best
-                t = self.t(x, e)
-                if load[d] <= hi_bound and t > need + (hi_bound - mean):
-                    break  # the smallest allowed cut would overshoot; the donor is within bounds
-                if load[j] + t > hi_bound and e - x > self.min_shard:
-                    # Overshoot from rounding and overheads: cut once more with the excess removed.
-                    c = self.candidate(i, w_pairs * max(0.1, (hi_bound - load[j]) / t))
-                    if c is not None:
-                        _, k, x, e = c
-                        t = self.t(x, e)
-                fits = load[j] + t <= hi_bound
+                i, k, x, e, t = best
                 doc = self.docs[i]
+                if load[d] <= hi_bound and t > need + (hi_bound - fill_to):
+                    break  # the smallest allowed cut would overshoot; the donor is within bounds
+                fits = load[j] + t <= hi_bound
                 if fits and self.cap is not None:
                     nb = self.in_bytes(j, doc, x, e)
                     fits = self.recv[j] + nb <= self.cap
-                heapq.heappop(heap)
                 if not fits:
-                    parked.append((-room, j))
+                    active.discard(j)
+                    parked.append(j)
                     continue
                 if self.cap is not None:
                     self.recv[j] += nb
@@ -519,16 +588,20 @@ class _Balancer:
                 u, v = ivs[k]
                 ivs = ivs[:k] + [iv for iv in ((u, x), (e, v)) if iv[1] > iv[0]] + ivs[k + 1 :]
                 self.free[i] = ivs
-                after = sum(self.t(a, b) for a, b in ivs)
+                after = self.piece_t[i] - self.t(u, v) + self.t(u, x) + self.t(e, v)
                 load[d] -= self.piece_t[i] - after
                 self.piece_t[i] = after
                 load[j] += t
                 self.moved.append((doc, x, e, j))
-                left = mean - load[j]
-                if left > 2e-3 * mean:
-                    heapq.heappush(heap, (-left, j))
-            for item in parked:
-                heapq.heappush(heap, item)
+                recv = self.doc_recv.setdefault(doc, [])
+                if j not in recv:
+                    recv.append(j)
+                if fill_to - load[j] <= min_room:
+                    active.discard(j)
+            for j in parked:  # parked receivers had no room for this donor's cuts only
+                if fill_to - load[j] > min_room:
+                    active.add(j)
+                    heapq.heappush(heap, (-(fill_to - load[j]), j))
 
     def tasks(self):
         s = self.seg
@@ -572,14 +645,20 @@ def _plan_distca(
         return s.doc, s.start, s.end, s.rank
     bal = _Balancer(layout, cm, shape, min_shard, capacity_bytes)
     load = bal.load
-    for _ in range(4):
+    for rnd in range(4):
+        # Later rounds only mop up: receivers may fill closer to the bound, so a
+        # donor's last chunk (at least min_shard tokens) still finds room.
+        fill = 0.5 if rnd == 0 else 0.9
         mean = float(load.sum()) / R
         hi_bound, lo_bound = mean * (1.0 + overload), mean * (1.0 - tolerance)
         if load.max() <= hi_bound and load.min() >= lo_bound:
             break
         order = np.argsort(-load, kind="stable")
-        bal.shed([int(r) for r in order if load[r] > hi_bound], [int(r) for r in order[::-1] if load[r] < mean], mean, hi_bound)
+        bal.shed([int(r) for r in order if load[r] > hi_bound], [int(r) for r in order[::-1] if load[r] < mean], mean, hi_bound, fill)
         if load.min() < lo_bound:
             order = np.argsort(-load, kind="stable")
-            bal.shed([int(r) for r in order if load[r] > mean], [int(r) for r in order[::-1] if load[r] < lo_bound], mean, hi_bound)
+            # Lift servers still below the band: donors above the mean may go
+            # down to half the band below it.
+            floor = mean * (1.0 - 0.5 * tolerance)
+            bal.shed([int(r) for r in order if load[r] > mean], [int(r) for r in order[::-1] if load[r] < lo_bound], mean, hi_bound, 0.0, floor)
     return bal.tasks()
