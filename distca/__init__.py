@@ -4,11 +4,17 @@ Plan once per step (pure, deterministic, identical on every rank), then run
 every layer's core attention on the planned attention servers.
 """
 
+from distca.api import CoreAttention, DispatchPlan, core_attention, prepare
 from distca.cost import MODEL_SHAPES, CostModel, ModelShape, causal_pairs, load_cost_model
 from distca.layout import Layout
 from distca.planner import POLICIES, Plan, plan
 
 __all__ = [
+    # the op
+    "core_attention",
+    "CoreAttention",
+    "prepare",
+    "DispatchPlan",
     # layout and planning
     "Layout",
     "Plan",

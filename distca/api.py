@@ -1,0 +1,438 @@
+"""``core_attention``: causal varlen attention over a CA group, computed on planned servers.
+
+Shape legend: T tokens per rank, Hq query heads, Hkv KV heads, D head dim,
+R ranks in the CA group, N documents.
+
+Plan once per step, run every layer with it::
+
+    dp = distca.prepare(cu_seqlens, group=mesh)           # every rank, once per step
+    out = distca.core_attention(q, k, v, cu_seqlens, group=mesh, plan=dp)
+
+The op is two ``torch.library`` custom ops (forward and backward) that
+*mutate* preallocated outputs: collectives never sit inside a functional op
+(Inductor may drop a functional op whose result is empty), and every shape in
+the graph is [T, ...], so a compiled model does not recompile when the
+document layout changes. The plan reaches the op as a 1-element int64 tensor
+(``DispatchPlan.handle``) that names an entry in this module's registry.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distca import kernels
+from distca.dispatch import DispatchMeta, all_to_all_rows, build_dispatch
+from distca.layout import Layout
+from distca.mesh import agree, fingerprint, resolve_group
+from distca.planner import Plan, Policy, plan as make_plan
+
+__all__ = ["DispatchPlan", "prepare", "core_attention", "CoreAttention"]
+
+Mode = Literal["resend", "keep"]
+_MAX_PLANS = 32
+"""Registered plans kept alive (FIFO). Every rank registers the same sequence of
+plans, so evictions happen at the same point on every rank."""
+
+
+@dataclass(eq=False)
+class _Entry:
+    plan: Plan
+    meta: DispatchMeta
+    group: dist.ProcessGroup
+    verified: set = field(default_factory=set)
+    device_meta: dict = field(default_factory=dict)
+    stash: dict = field(default_factory=dict)  # keep mode: server tensors between fwd and bwd
+
+
+_REGISTRY: "OrderedDict[int, _Entry]" = OrderedDict()
+_IDS = itertools.count(1)
+_STASH_IDS = itertools.count(1)
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchPlan:
+    """A plan prepared for this rank of a CA group; pass it (or its ``handle``) to every layer.
+
+    Inside a ``torch.compile``d model pass ``handle`` (a tensor) rather than the
+    object, so a new plan each step does not trigger a recompile.
+    """
+
+    plan: Plan
+    handle: torch.Tensor
+    """int64 [1]: the registry key the op resolves."""
+
+
+def prepare(
+    plan_or_cu_seqlens: Plan | torch.Tensor | np.ndarray | list[int],
+    group: dist.ProcessGroup | "torch.distributed.device_mesh.DeviceMesh" | None = None,
+    *,
+    tokens_per_rank: int | None = None,
+    policy: Policy = "distca",
+    **plan_kwargs,
+) -> DispatchPlan:
+    """Plan (if needed) and compile this rank's dispatch metadata. Call on every rank.
+
+    Args:
+        plan_or_cu_seqlens: a :class:`Plan`, or the group's global cu_seqlens (0 ... R*T)
+            to plan with ``policy`` and ``plan_kwargs`` (see :func:`distca.plan`).
+        group: the CA group (ProcessGroup, DeviceMesh with a "ca" dim, or None: world).
+        tokens_per_rank: T; default cu_seqlens[-1] / R.
+
+    Raises ``ValueError`` on every rank if the layouts differ across ranks.
+    """
+    pg = resolve_group(group)
+    R, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    err = None
+    if isinstance(plan_or_cu_seqlens, Plan):
+        p = plan_or_cu_seqlens
+        if p.layout.ranks != R:
+            err = f"plan is for {p.layout.ranks} ranks but the CA group has {R}"
+    else:
+        cu = torch.as_tensor(plan_or_cu_seqlens).detach().cpu().numpy() if not isinstance(plan_or_cu_seqlens, (list, tuple)) else np.asarray(plan_or_cu_seqlens)
+        total = int(cu[-1]) if cu.size else 0
+        T = tokens_per_rank if tokens_per_rank is not None else (total // R if total % R == 0 else -1)
+        try:
+            if T < 1:
+                raise ValueError(f"cu_seqlens[-1]={total} is not a positive multiple of the group size {R}")
+            p = make_plan(Layout(tuple(cu.tolist()), R, T), policy, **plan_kwargs)
+        except (ValueError, TypeError) as e:
+            err, p = str(e), None
+    fields = {"plan": int(p.digest()[:15], 16) if p is not None else 0}
+    agree(pg, torch.device("cpu"), err, fields)
+    key = next(_IDS)
+    _REGISTRY[key] = _Entry(p, build_dispatch(p, rank), pg)
+    while len(_REGISTRY) > _MAX_PLANS:
+        _REGISTRY.popitem(last=False)
+    return DispatchPlan(p, torch.tensor([key], dtype=torch.int64))
+
+
+def _entry(handle: torch.Tensor) -> _Entry:
+    key = int(handle.reshape(-1)[0])
+    try:
+        return _REGISTRY[key]
+    except KeyError:
+        raise RuntimeError(
+            f"plan handle {key} is no longer registered (only the last {_MAX_PLANS} prepared plans are kept); "
+            "call distca.prepare once per step and use its result in that step"
+        ) from None
+
+
+def _meta_on(entry: _Entry, device: torch.device) -> DispatchMeta:
+    m = entry.device_meta.get(device)
+    if m is None:
+        m = entry.device_meta[device] = entry.meta if device.type == "cpu" else entry.meta.to(device)
+    return m
+
+
+# ---- transport helpers (eager; called only from the mutating ops below) ------------------
+
+
+def _pack(*parts: torch.Tensor) -> torch.Tensor:
+    """Concatenate row-aligned tensors [N, ...] of possibly different dtypes into one [N, bytes] uint8."""
+    return torch.cat([p.reshape(p.shape[0], math.prod(p.shape[1:])).contiguous().view(torch.uint8) for p in parts], dim=1)
+
+
+def _unpack(buf: torch.Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    out, off = [], 0
+    for shape, dtype in specs:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out.append(buf[:, off : off + nbytes].contiguous().view(dtype).reshape(buf.shape[0], *shape))
+        off += nbytes
+    return out
+
+
+def _send_q_rows(m: DispatchMeta, pg, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """Home -> server for Q-indexed rows [T, ...]; returns them in kernel order."""
+    specs = [(tuple(x.shape[1:]), x.dtype) for x in xs]
+    buf = all_to_all_rows(_pack(*(x[m.q_send_idx] for x in xs)), m.q_send_splits, m.q_recv_splits, pg)
+    return [y[m.q_recv_to_task] for y in _unpack(buf, specs)]
+
+
+def _return_q_rows(m: DispatchMeta, pg, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """Server -> home for kernel-order rows [Nq, ...]; returns them in local order [T, ...]."""
+    specs = [(tuple(x.shape[1:]), x.dtype) for x in xs]
+    buf = all_to_all_rows(_pack(*(x[m.q_task_to_recv] for x in xs)), m.q_recv_splits, m.q_send_splits, pg)
+    return [y[m.q_send_inv] for y in _unpack(buf, specs)]
+
+
+def _send_kv(m: DispatchMeta, pg, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Home -> server KV rows, each sent once per server, replicated per task on arrival."""
+    hkv = k.shape[1]
+    kv = torch.cat([k, v], dim=1)[m.kv_send_idx]  # [rows, 2 Hkv, D]
+    recv = all_to_all_rows(kv, m.kv_send_splits, m.kv_recv_splits, pg)[m.kv_task_idx]
+    return recv[:, :hkv].contiguous(), recv[:, hkv:].contiguous()
+
+
+def _return_dkv(m: DispatchMeta, pg, dk: torch.Tensor, dv: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Server -> home dK/dV: summed over a row's replicas on the server, then over servers at home."""
+    hkv = dk.shape[1]
+    dkv = torch.cat([dk, dv], dim=1).float()  # fp32 sums
+    n_recv = sum(m.kv_recv_splits)
+    uniq = dkv.new_zeros((n_recv, *dkv.shape[1:])).index_add_(0, m.kv_task_idx, dkv)
+    back = all_to_all_rows(uniq.to(dk.dtype), m.kv_recv_splits, m.kv_send_splits, pg)
+    home = back.new_zeros((T, *back.shape[1:]), dtype=torch.float32).index_add_(0, m.kv_send_idx, back.float())
+    return home[:, :hkv], home[:, hkv:]
+
+
+# ---- the ops --------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("distca::core_attention_fwd", mutates_args=("out", "lse", "stash_id"))
+def _core_attention_fwd(
+    out: torch.Tensor,  # [T, Hq, D] (written)
+    lse: torch.Tensor,  # [Hq, T] fp32 (written)
+    stash_id: torch.Tensor,  # int64 [1] (written; keep mode)
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    handle: torch.Tensor,
+    softmax_scale: float,
+    mode: str,
+    backend: str,
+) -> None:
+    entry = _entry(handle)
+    m, pg = _meta_on(entry, q.device), entry.group
+    qs = _send_q_rows(m, pg, q)[0]
+    ks, vs = _send_kv(m, pg, k, v)
+    o, l = kernels.varlen_attn_forward(
+        qs, ks, vs, m.cu_seqlens_q, m.cu_seqlens_k, m.max_seqlen_q, m.max_seqlen_k, softmax_scale, True, backend
+    )
+    o_home, l_home = _return_q_rows(m, pg, o, l.t())
+    out.copy_(o_home)
+    lse.copy_(l_home.t())
+    if mode == "keep":
+        sid = next(_STASH_IDS)
+        entry.stash[sid] = (qs, ks, vs, o, l)
+        stash_id.fill_(sid)
+
+
+@_core_attention_fwd.register_fake
+def _(out, lse, stash_id, q, k, v, handle, softmax_scale, mode, backend) -> None:
+    return None
+
+
+@torch.library.custom_op("distca::core_attention_bwd", mutates_args=("dq", "dk", "dv"))
+def _core_attention_bwd(
+    dq: torch.Tensor,  # [T, Hq, D] (written)
+    dk: torch.Tensor,  # [T, Hkv, D] (written)
+    dv: torch.Tensor,  # [T, Hkv, D] (written)
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    stash_id: torch.Tensor,
+    handle: torch.Tensor,
+    softmax_scale: float,
+    mode: str,
+    backend: str,
+) -> None:
+    entry = _entry(handle)
+    m, pg = _meta_on(entry, q.device), entry.group
+    if mode == "keep":
+        qs, ks, vs, o, l = entry.stash.pop(int(stash_id.reshape(-1)[0]))
+        (do,) = _send_q_rows(m, pg, dout)
+    else:
+        # Stateless server: home re-sends what the backward needs (q, out, dout, lse; K and V).
+        qs, o, do, lt = _send_q_rows(m, pg, q, out, dout, lse.t())
+        l = lt.t().contiguous()
+        ks, vs = _send_kv(m, pg, k, v)
+    dqs, dks, dvs = kernels.varlen_attn_backward(
+        do.contiguous(), qs, ks, vs, o.contiguous(), l, m.cu_seqlens_q, m.cu_seqlens_k,
+        m.max_seqlen_q, m.max_seqlen_k, softmax_scale, True, backend,
+    )  # fmt: skip
+    (dq_home,) = _return_q_rows(m, pg, dqs)
+    dk_home, dv_home = _return_dkv(m, pg, dks, dvs, q.shape[0])
+    dq.copy_(dq_home)
+    dk.copy_(dk_home)
+    dv.copy_(dv_home)
+
+
+@_core_attention_bwd.register_fake
+def _(dq, dk, dv, dout, q, k, v, out, lse, stash_id, handle, softmax_scale, mode, backend) -> None:
+    return None
+
+
+class _CoreAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, handle, softmax_scale, mode, backend):
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+        stash_id = torch.zeros(1, dtype=torch.int64)
+        torch.ops.distca.core_attention_fwd(out, lse, stash_id, q, k, v, handle, softmax_scale, mode, backend)
+        ctx.save_for_backward(q, k, v, out, lse, stash_id, handle)
+        ctx.cfg = (softmax_scale, mode, backend)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, stash_id, handle = ctx.saved_tensors
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+        torch.ops.distca.core_attention_bwd(
+            dq, dk, dv, dout.contiguous(), q, k, v, out, lse, stash_id, handle, *ctx.cfg
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+# ---- public API -----------------------------------------------------------------------------
+
+
+def _local_error(q, k, v, cu: np.ndarray | None, T_plan: int, R: int) -> str | None:
+    if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
+        return "q, k and v must be torch.Tensors"
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        return f"q, k, v must be 3-D [T, H, D], got q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
+    if k.shape != v.shape:
+        return f"k and v must have the same shape, got k.shape={tuple(k.shape)} and v.shape={tuple(v.shape)}"
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        return f"q [T, Hq, D] and k [T, Hkv, D] must agree on T and D, got q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}"
+    if q.shape[1] % k.shape[1]:
+        return f"Hq={q.shape[1]} must be a multiple of Hkv={k.shape[1]} (grouped-query attention)"
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        return f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        return f"q dtype must be a floating type (float32, bfloat16, float16), got {q.dtype}"
+    if q.device != k.device or q.device != v.device:
+        return f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}"
+    if q.shape[0] != T_plan:
+        return f"q has T={q.shape[0]} rows but the plan's layout has tokens_per_rank={T_plan} (T must be equal on every rank)"
+    if cu is not None:
+        if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or np.any(np.diff(cu) <= 0) or cu[-1] != R * T_plan:
+            return (
+                f"cu_seqlens must be strictly increasing from 0 to R*T={R}*{T_plan}={R * T_plan}, "
+                f"got {cu.tolist()[:8]}{'...' if cu.size > 8 else ''} (last {int(cu[-1]) if cu.size else None})"
+            )
+    return None
+
+
+def core_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor | np.ndarray | list[int] | None,
+    *,
+    group: dist.ProcessGroup | "torch.distributed.device_mesh.DeviceMesh" | None = None,
+    plan: Plan | DispatchPlan | torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    mode: Mode = "resend",
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Causal document attention over the CA group's token stream, on planned servers.
+
+    Args:
+        q: [T, Hq, D], this rank's rows [r*T, (r+1)*T) of the group's stream.
+        k, v: [T, Hkv, D], Hq a multiple of Hkv.
+        cu_seqlens: global document boundaries (0 ... R*T), the same on every rank;
+            may be None when ``plan`` is given.
+        group: ProcessGroup, DeviceMesh (its "ca" dim, or its only dim), or None (world).
+        plan: a :class:`DispatchPlan` from :func:`prepare` (or its ``handle``, inside
+            compiled code), a :class:`Plan`, or None to plan here with the default policy.
+        softmax_scale: default 1/sqrt(D).
+        mode: ``"resend"`` (servers keep nothing; backward re-sends Q, O, dO, LSE, K, V)
+            or ``"keep"`` (servers keep what they received until backward).
+        backend: kernel backend override (see :func:`distca.kernels.select_backend`).
+
+    Returns:
+        [T, Hq, D]: rows [r*T, (r+1)*T) of ``flash_attn_varlen_func(q_all, k_all,
+        v_all, cu_seqlens, cu_seqlens, causal=True)``. Differentiable in q, k, v.
+        DTensor inputs sharded ``Shard(0)`` give a DTensor with the same placement.
+
+    Example (2 processes, gloo)::
+
+        q = torch.randn(T, 8, 64, requires_grad=True); k = v = torch.randn(T, 2, 64)
+        dp = distca.prepare(cu_seqlens)            # cu_seqlens: 0 ... 2*T, same on both ranks
+        out = distca.core_attention(q, k, v, cu_seqlens, plan=dp)
+        out.sum().backward()
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(q, DTensor):
+        mesh, placements = q.device_mesh, q.placements
+        if not all(isinstance(x, DTensor) for x in (k, v)) or any(
+            not (isinstance(p, Shard) and p.dim == 0) and not p.is_replicate() for p in placements
+        ):
+            raise ValueError(f"DTensor q, k, v must be sharded Shard(0) on the CA dim, got placements {placements}")
+        out = core_attention(
+            q.to_local(), k.to_local(), v.to_local(), cu_seqlens,
+            group=group if group is not None else mesh, plan=plan,
+            softmax_scale=softmax_scale, mode=mode, backend=backend,
+        )  # fmt: skip
+        return DTensor.from_local(out, mesh, placements, run_check=False)
+
+    if mode not in ("resend", "keep"):
+        raise ValueError(f"mode must be 'resend' or 'keep', got {mode!r}")
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    if backend is None:
+        backend = kernels.select_backend(q.device)
+
+    if isinstance(plan, torch.Tensor):
+        handle = plan
+    else:
+        if isinstance(plan, DispatchPlan):
+            dp = plan
+        elif isinstance(plan, Plan) or plan is None:
+            if plan is None and cu_seqlens is None:
+                raise ValueError("cu_seqlens is required when plan is None")
+            dp = prepare(plan if plan is not None else cu_seqlens, group)
+        else:
+            raise TypeError(f"plan must be a DispatchPlan, its handle, a Plan or None, got {type(plan).__name__}")
+        handle = dp.handle
+    if torch.compiler.is_compiling():
+        return _CoreAttentionFn.apply(q, k, v, handle, softmax_scale, mode, backend)
+
+    # Eager: validate on every rank, agreeing before any data moves.
+    entry = _entry(handle)
+    lay = entry.plan.layout
+    cu = None
+    if cu_seqlens is not None:
+        cu = torch.as_tensor(cu_seqlens).detach().cpu().numpy() if not isinstance(cu_seqlens, (list, tuple)) else np.asarray(cu_seqlens)
+    err = _local_error(q, k, v, cu, lay.tokens_per_rank, lay.ranks)
+    if err is None and cu is not None and (cu.size != lay.num_docs + 1 or np.any(cu != lay.cu_array)):
+        err = "cu_seqlens differ from the layout the plan was made for"
+    sig = (tuple(q.shape), tuple(k.shape), q.dtype, mode)
+    if err is not None or sig not in entry.verified:
+        agree(
+            entry.group,
+            q.device if isinstance(q, torch.Tensor) else torch.device("cpu"),
+            err,
+            {"T and head shapes": fingerprint(sig[0], sig[1], str(q.dtype)), "mode": fingerprint(mode)},
+        )
+        entry.verified.add(sig)
+    return _CoreAttentionFn.apply(q, k, v, handle, softmax_scale, mode, backend)
+
+
+class CoreAttention(nn.Module):
+    """``core_attention`` as a module for model code; the per-step plan is passed to forward.
+
+    Args mirror :func:`core_attention`; ``forward(q, k, v, cu_seqlens, plan)``.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | "torch.distributed.device_mesh.DeviceMesh" | None = None,
+        *,
+        softmax_scale: float | None = None,
+        mode: Mode = "resend",
+        backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.group, self.softmax_scale, self.mode, self.backend = group, softmax_scale, mode, backend
+
+    def forward(self, q, k, v, cu_seqlens=None, plan=None):
+        return core_attention(
+            q, k, v, cu_seqlens, group=self.group, plan=plan,
+            softmax_scale=self.softmax_scale, mode=self.mode, backend=self.backend,
+        )  # fmt: skip
