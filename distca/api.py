@@ -106,7 +106,7 @@ def prepare(
             p = make_plan(Layout(tuple(cu.tolist()), R, T), policy, **plan_kwargs)
         except (ValueError, TypeError) as e:
             err, p = str(e), None
-    fields = {"plan": int(p.digest()[:15], 16) if p is not None else 0}
+    fields = {"cu_seqlens (plan digest)": int(p.digest()[:15], 16) if p is not None else 0}
     agree(pg, torch.device("cpu"), err, fields)
     key = next(_IDS)
     _REGISTRY[key] = _Entry(p, build_dispatch(p, rank), pg)
@@ -196,27 +196,27 @@ def _core_attention_fwd(
     v: torch.Tensor,
     handle: torch.Tensor,
     softmax_scale: float,
-    mode: str,
-    backend: str,
+    ca_mode: str,
+    kernel_backend: str,
 ) -> None:
     entry = _entry(handle)
     m, pg = _meta_on(entry, q.device), entry.group
     qs = _send_q_rows(m, pg, q)[0]
     ks, vs = _send_kv(m, pg, k, v)
     o, l = kernels.varlen_attn_forward(
-        qs, ks, vs, m.cu_seqlens_q, m.cu_seqlens_k, m.max_seqlen_q, m.max_seqlen_k, softmax_scale, True, backend
+        qs, ks, vs, m.cu_seqlens_q, m.cu_seqlens_k, m.max_seqlen_q, m.max_seqlen_k, softmax_scale, True, kernel_backend
     )
     o_home, l_home = _return_q_rows(m, pg, o, l.t())
     out.copy_(o_home)
     lse.copy_(l_home.t())
-    if mode == "keep":
+    if ca_mode == "keep":
         sid = next(_STASH_IDS)
         entry.stash[sid] = (qs, ks, vs, o, l)
         stash_id.fill_(sid)
 
 
 @_core_attention_fwd.register_fake
-def _(out, lse, stash_id, q, k, v, handle, softmax_scale, mode, backend) -> None:
+def _(out, lse, stash_id, q, k, v, handle, softmax_scale, ca_mode, kernel_backend) -> None:
     return None
 
 
@@ -234,12 +234,12 @@ def _core_attention_bwd(
     stash_id: torch.Tensor,
     handle: torch.Tensor,
     softmax_scale: float,
-    mode: str,
-    backend: str,
+    ca_mode: str,
+    kernel_backend: str,
 ) -> None:
     entry = _entry(handle)
     m, pg = _meta_on(entry, q.device), entry.group
-    if mode == "keep":
+    if ca_mode == "keep":
         qs, ks, vs, o, l = entry.stash.pop(int(stash_id.reshape(-1)[0]))
         (do,) = _send_q_rows(m, pg, dout)
     else:
@@ -249,7 +249,7 @@ def _core_attention_bwd(
         ks, vs = _send_kv(m, pg, k, v)
     dqs, dks, dvs = kernels.varlen_attn_backward(
         do.contiguous(), qs, ks, vs, o.contiguous(), l, m.cu_seqlens_q, m.cu_seqlens_k,
-        m.max_seqlen_q, m.max_seqlen_k, softmax_scale, True, backend,
+        m.max_seqlen_q, m.max_seqlen_k, softmax_scale, True, kernel_backend,
     )  # fmt: skip
     (dq_home,) = _return_q_rows(m, pg, dqs)
     dk_home, dv_home = _return_dkv(m, pg, dks, dvs, q.shape[0])
@@ -259,7 +259,7 @@ def _core_attention_bwd(
 
 
 @_core_attention_bwd.register_fake
-def _(dq, dk, dv, dout, q, k, v, out, lse, stash_id, handle, softmax_scale, mode, backend) -> None:
+def _(dq, dk, dv, dout, q, k, v, out, lse, stash_id, handle, softmax_scale, ca_mode, kernel_backend) -> None:
     return None
 
 

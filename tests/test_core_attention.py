@@ -70,3 +70,138 @@ def test_exact_against_single_process(world):
     rng = np.random.default_rng(world)
     worst = run_workers(_exactness_worker, world, _cases(world, rng))
     assert max(worst) < 4e-2
+
+
+def _errors_worker(rank, world):
+    import distca
+
+    T = 16
+    cu = [0, 5, 2 * T] if world == 2 else [0, 5, world * T]
+    q = torch.randn(T, 4, 8)
+    k = v = torch.randn(T, 2, 8)
+    msgs = {}
+
+    def expect(name, fn):
+        try:
+            fn()
+        except ValueError as e:
+            msgs[name] = str(e)
+        else:
+            msgs[name] = None
+
+    # cu_seqlens that differ across ranks: detected by the plan digest all-reduce.
+    other = [0, 7, world * T] if rank == 1 else cu
+    expect("cu_differs", lambda: distca.prepare(other))
+    dp = distca.prepare(cu)
+    # T differing across ranks (one rank passes 15 rows).
+    bad_q = q[:15] if rank == 0 else q
+    expect("T_differs", lambda: distca.core_attention(bad_q, k if rank else k[:15], v if rank else v[:15], cu, plan=dp))
+    # Hq not a multiple of Hkv, on one rank only.
+    expect("gqa", lambda: distca.core_attention(torch.randn(T, 3, 8) if rank == 0 else q, k, v, cu, plan=dp))
+    # dtype mismatch on one rank.
+    expect("dtype", lambda: distca.core_attention(q.double() if rank == world - 1 else q, k, v, cu, plan=dp))
+    # wrong rank count: a plan for another group size.
+    expect("ranks", lambda: distca.prepare(distca.plan(distca.Layout((0, 3 * T), 3, T))))
+    # cu_seqlens that do not match the plan's layout.
+    expect("cu_mismatch", lambda: distca.core_attention(q, k, v, [0, 6, world * T], plan=dp))
+    # Nothing was half-changed: a valid call still works and is deterministic.
+    out = distca.core_attention(q, k, v, cu, plan=dp)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    return msgs
+
+
+@pytest.mark.slow
+def test_bad_input_raises_on_every_rank_without_hanging():
+    world = 2
+    res = run_workers(_errors_worker, world, timeout=120)
+    for name in ("cu_differs", "T_differs", "gqa", "dtype", "ranks", "cu_mismatch"):
+        for r in range(world):
+            assert res[r][name] is not None, f"rank {r} did not raise for {name}"
+    assert "differ across the ranks" in res[0]["cu_differs"]
+    assert "tokens_per_rank=16" in res[0]["T_differs"] and "rejected its input" in res[1]["T_differs"]
+    assert "Hq=3 must be a multiple of Hkv=2" in res[0]["gqa"]
+    assert "share a dtype" in res[1]["dtype"]
+    assert "plan is for 3 ranks but the CA group has 2" in res[0]["ranks"]
+    assert "cu_seqlens differ from the layout" in res[0]["cu_mismatch"]
+
+
+def _dtensor_worker(rank, world):
+    import distca
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    dims = (world,) if world == 2 else (2, world // 2)
+    names = ("ca",) if world == 2 else ("dp", "ca")
+    mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
+    ca = mesh["ca"]
+    R = ca.size()
+    T = 24
+    cu = [0, 10, 30, R * T]
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(R * T, 4, 8, generator=g)
+    k = torch.randn(R * T, 2, 8, generator=g)
+    v = torch.randn(R * T, 2, 8, generator=g)
+    r = ca.get_local_rank()
+    sl = slice(r * T, (r + 1) * T)
+    ql = q[sl].clone().requires_grad_()
+    qd = DTensor.from_local(ql, ca, [Shard(0)], run_check=False)
+    kd = DTensor.from_local(k[sl], ca, [Shard(0)], run_check=False)
+    vd = DTensor.from_local(v[sl], ca, [Shard(0)], run_check=False)
+    out = distca.core_attention(qd, kd, vd, cu, group=mesh)
+    assert isinstance(out, DTensor) and out.placements == (Shard(0),)
+    out.to_local().sum().backward()
+    ref = ref_attention(q.double(), k.double(), v.double(), cu)[sl]
+    torch.testing.assert_close(out.to_local().double(), ref, atol=1e-5, rtol=1e-5)
+    assert ql.grad is not None and ql.grad.shape == ql.shape
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_dtensor_inputs(world):
+    assert all(run_workers(_dtensor_worker, world, timeout=120))
+
+
+def _compile_worker(rank, world, backend):
+    import torch._dynamo
+
+    import distca
+
+    torch._dynamo.reset()
+    T, hq, hkv, d = 64, 4, 2, 16
+    w = torch.nn.Linear(d, d, bias=False)
+    torch.manual_seed(0)
+    w.weight.data = torch.randn(d, d) / d**0.5
+
+    def step(q, k, v, cu, handle):
+        out = distca.core_attention(w(q), k, v, cu, plan=handle)
+        return (out * out).sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    rng = np.random.default_rng(5)
+    frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    worst = 0.0
+    for s in range(5):
+        cuts = sorted(set(rng.choice(np.arange(1, world * T), size=3 + s, replace=False).tolist()))
+        cu = [0, *cuts, world * T]
+        dp = distca.prepare(cu, policy="distca", min_shard=8)
+        g = torch.Generator().manual_seed(s)
+        q, k, v = (torch.randn(T, h, d, generator=g) for h in (hq, hkv, hkv))
+        grads = []
+        for fn in (step, compiled):
+            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+            loss = fn(qq, kk, vv, torch.tensor(cu), dp.handle)
+            loss.backward()
+            grads.append((loss.detach(), qq.grad, kk.grad, vv.grad))
+        for a, b in zip(*grads):
+            worst = max(worst, ((a - b).abs().max() / (1 + b.abs().max())).item())
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames_before
+    return worst, graphs
+
+
+@pytest.mark.slow
+def test_compiled_matches_eager_without_recompiles():
+    res = run_workers(_compile_worker, 2, "inductor", timeout=400)
+    for worst, graphs in res:
+        assert worst < 1e-4
+        assert graphs == 1, f"{graphs} graphs compiled over 5 steps with different layouts"
