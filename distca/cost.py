@@ -8,10 +8,11 @@ Time is modelled per backend/device from measured kernel timings (fitted by
 ``scripts/calibrate.py`` and stored in ``distca/data/cost_<name>.json``)::
 
     t(task) = task_s + q_len * q_token_s + kv_len * kv_token_s
-              + pairs * pair_s * (1 + half_q / q_len)
+              + pairs * pair_s * (1 + half_q / q_len) + q_len * kv_len * rect_s
 
 ``half_q`` captures the lower efficiency of short query shards: pair
-throughput is half of peak at ``q_len == half_q``. All coefficients are for the
+throughput is half of peak at ``q_len == half_q``. ``rect_s`` charges the whole
+q_len x kv_len rectangle, for kernels that compute masked blocks too. All coefficients are for the
 reference shape stored with them and scale linearly with heads x head_dim.
 
 Bytes are modelled for one layer's forward dispatch (Q rows to servers, each
@@ -116,13 +117,19 @@ class CostModel:
     ref_head_dim: int = 64
     bwd_factor: float = 2.5
     """Backward time / forward time (FlashAttention-style recompute)."""
+    rect_s: float = 0.0
+    """Seconds per query-key pair of the full q_len x kv_len rectangle (masked blocks computed anyway)."""
     source: str = ""
 
     def time(self, q_len, kv_len, pairs):
         """Modelled seconds; accepts Python numbers or numpy arrays of equal shape."""
         q = np.maximum(q_len, 1)
-        return self.task_s + q_len * self.q_token_s + kv_len * self.kv_token_s + pairs * self.pair_s * (
-            1.0 + self.half_q / q
+        return (
+            self.task_s
+            + q_len * self.q_token_s
+            + kv_len * self.kv_token_s
+            + pairs * self.pair_s * (1.0 + self.half_q / q)
+            + q_len * kv_len * self.rect_s
         )
 
     def task_time(self, q_start, q_end):
@@ -136,6 +143,7 @@ class CostModel:
         return replace(
             self,
             pair_s=self.pair_s * sq,
+            rect_s=self.rect_s * sq,
             q_token_s=self.q_token_s * sq,
             kv_token_s=self.kv_token_s * skv,
             ref_heads=shape.num_heads,

@@ -399,7 +399,7 @@ class _Balancer:
         seg_time = cm.task_time(s.start, s.end)
         self.piece_t = seg_time.tolist()  # modelled seconds of each piece's kept ranges
         self.load = np.bincount(s.rank, seg_time, self.R).astype(np.float64)
-        self.coef = (cm.task_s, cm.q_token_s, cm.kv_token_s, cm.pair_s, cm.half_q)
+        self.coef = (cm.task_s, cm.q_token_s, cm.kv_token_s, cm.pair_s, cm.half_q, cm.rect_s)
         self.moved: list[tuple[int, int, int, int]] = []
         self.doc_recv: dict[int, list[int]] = {}  # servers that were given chunks of a document
         # Only a donor's heaviest pieces are worth cutting (their chunks have the
@@ -429,9 +429,11 @@ class _Balancer:
         """CostModel.task_time for Python ints, without numpy's per-call overhead."""
         if b <= a:
             return 0.0
-        task_s, q_s, kv_s, pair_s, half_q = self.coef
+        task_s, q_s, kv_s, pair_s, half_q, rect_s = self.coef
         m = b - a
-        return task_s + m * q_s + b * kv_s + (b * (b + 1) - a * (a + 1)) // 2 * pair_s * (1.0 + half_q / m)
+        return (
+            task_s + m * q_s + b * kv_s + (b * (b + 1) - a * (a + 1)) // 2 * pair_s * (1.0 + half_q / m) + m * b * rect_s
+        )
 
     def intervals(self, i: int) -> list[tuple[int, int]]:
         ivs = self.free.get(i)
@@ -463,8 +465,8 @@ class _Balancer:
 
     def best_chunk(self, pieces: list[int], w: float) -> tuple[int, int, int, int, float] | None:
         """Cheapest chunk worth about ``w`` seconds in ``pieces``: (piece, interval, x, e, seconds)."""
-        task_s, pair_s = self.coef[0], self.coef[3]
-        w_pairs0 = max((w - task_s) / pair_s, 1.0)
+        task_s = self.coef[0]
+        w_pairs0 = max((w - task_s) / (self.coef[3] + self.coef[5]), 1.0)
         qb, kvb = self.qb, self.kvb
         best = None
         e_star = math.sqrt(qb * w_pairs0 / kvb)
@@ -493,9 +495,11 @@ class _Balancer:
         # The time model is not linear in pairs: start from the chunk's overheads
         # (per task, per Q row, per KV row, short-shard efficiency), then refine
         # from below, so a receiver is never filled past its room by the error.
-        _, q_s, kv_s, _, half_q = self.coef
+        _, q_s, kv_s, pair_s, half_q, rect_s = self.coef
         overhead = task_s + q_s * (e - x) + kv_s * e + pair_s * half_q * (e + x) * 0.5
-        w_pairs = max((w - overhead) / pair_s, 1.0)
+        # A rectangle cost scales the per-pair rate by about 2e / (e + x).
+        rate = pair_s + rect_s * 2.0 * e / max(e + x, 1.0)
+        w_pairs = max((w - overhead) / rate, 1.0)
         for it in range(5):
             x, e = self.cut(u, v, w_pairs)
             t = self.t(x, e)

@@ -1,0 +1,160 @@
+"""Measure the varlen attention kernel and fit distca's CA cost model for this device.
+
+    python scripts/calibrate.py                       # CPU, prints the fit
+    python scripts/calibrate.py --write               # and stores distca/data/cost_cpu.json
+    python scripts/calibrate.py --device cuda --name h200 --dtype bf16 --heads 32 --kv-heads 8 --head-dim 128 --write
+
+Model (see distca/cost.py): t = task_s * tasks + q_token_s * sum(q) + kv_token_s * sum(kv)
++ pair_s * sum(pairs) + (pair_s * half_q) * sum(pairs / q), fitted by non-negative least
+squares over fused batches of tasks of many shard sizes and depths; ``bwd_factor`` is the
+measured (fwd+bwd)/fwd - 1 over the same batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from distca.cost import CostModel, causal_pairs
+from distca.kernels import select_backend, varlen_attn_backward, varlen_attn_forward
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def batch_spec(q: int, depth: int, total_q: int) -> list[tuple[int, int]]:
+    """Tasks (q_start, q_end) of shard length q ending at depth..., about total_q query rows."""
+    n = max(1, total_q // q)
+    return [(max(0, depth - q), depth)] * n
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_batch(tasks, args, device, dtype, backward: bool) -> float:
+    qlen = np.array([e - s for s, e in tasks])
+    klen = np.array([e for _, e in tasks])
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(qlen)]), dtype=torch.int32, device=device)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(klen)]), dtype=torch.int32, device=device)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(int(qlen.sum()), args.heads, args.head_dim, generator=g).to(device, dtype)
+    k = torch.randn(int(klen.sum()), args.kv_heads, args.head_dim, generator=g).to(device, dtype)
+    v = torch.randn_like(k)
+    backend = select_backend(device)
+    scale = args.head_dim**-0.5
+    mq, mk = int(qlen.max()), int(klen.max())
+
+    def run():
+        out, lse = varlen_attn_forward(q, k, v, cu_q, cu_k, mq, mk, scale, True, backend)
+        if backward:
+            varlen_attn_backward(torch.ones_like(out), q, k, v, out, lse, cu_q, cu_k, mq, mk, scale, True, backend)
+
+    run()  # warm-up
+    best = float("inf")
+    for _ in range(args.repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def features(tasks) -> np.ndarray:
+    s = np.array([a for a, _ in tasks], dtype=np.float64)
+    e = np.array([b for _, b in tasks], dtype=np.float64)
+    q = e - s
+    pairs = causal_pairs(s, e)
+    return np.array([len(tasks), q.sum(), e.sum(), pairs.sum(), (pairs / q).sum()])
+
+
+def nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares by active-set elimination (few unknowns)."""
+    active = list(range(A.shape[1]))
+    x = np.zeros(A.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(A[:, active], b, rcond=None)
+        if np.all(sol >= 0):
+            x[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return x
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--shards", type=int, nargs="+", default=[16, 64, 128, 512, 2048])
+    ap.add_argument("--depths", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--rows", type=int, default=4096, help="query rows per measured batch")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--name", default=None, help="cost model name (default: the device type)")
+    ap.add_argument("--write", action="store_true", help="store distca/data/cost_<name>.json")
+    ap.add_argument("--out", default=None, help="also write the fit and measurements to this JSON file")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    rows, A, tf, tb = [], [], [], []
+    for depth in args.depths:
+        for q in args.shards:
+            if q > depth:
+                continue
+            tasks = batch_spec(q, depth, args.rows)
+            fwd = time_batch(tasks, args, device, dtype, backward=False)
+            both = time_batch(tasks, args, device, dtype, backward=True)
+            A.append(features(tasks))
+            tf.append(fwd)
+            tb.append(both)
+            rows.append({"shard": q, "depth": depth, "tasks": len(tasks), "fwd_s": fwd, "fwdbwd_s": both})
+            print(f"shard {q:>5} depth {depth:>6} tasks {len(tasks):>4}: fwd {fwd * 1e3:8.2f} ms  fwd+bwd {both * 1e3:8.2f} ms", flush=True)
+    A, tf, tb = np.array(A), np.array(tf), np.array(tb)
+    # Relative least squares: every batch counts, not only the slowest.
+    w = 1.0 / tf
+    x = nnls(A * w[:, None], tf * w)
+    task_s, q_s, kv_s, pair_s, c5 = x.tolist()
+    pred = A @ x
+    cm = CostModel(
+        name=args.name or device.type,
+        pair_s=pair_s,
+        q_token_s=q_s,
+        kv_token_s=kv_s,
+        task_s=task_s,
+        half_q=c5 / pair_s if pair_s > 0 else 0.0,
+        ref_heads=args.heads,
+        ref_kv_heads=args.kv_heads,
+        ref_head_dim=args.head_dim,
+        bwd_factor=float(np.median(tb / tf - 1.0)),
+        source=(
+            f"scripts/calibrate.py on {device.type} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), "
+            f"{args.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+            f"median |rel err| {float(np.median(np.abs(pred / tf - 1))):.3f}"
+        ),
+    )
+    print(cm.to_json())
+    print(f"fit: median |relative error| {np.median(np.abs(pred / tf - 1)):.3f}, max {np.max(np.abs(pred / tf - 1)):.3f}")
+    if args.write:
+        path = Path(__file__).resolve().parents[1] / "distca" / "data" / f"cost_{cm.name}.json"
+        path.write_text(cm.to_json() + "\n")
+        print(f"wrote {path}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"model": asdict(cm), "measurements": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
