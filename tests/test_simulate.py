@@ -1,0 +1,161 @@
+"""Tests of scripts/simulate.py, the analytic step-time simulator (CPU only, a few seconds)."""
+
+import contextlib
+import importlib.util
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distca import MODEL_SHAPES, Layout, causal_pairs, load_cost_model, plan
+
+_PATH = Path(__file__).resolve().parents[1] / "scripts" / "simulate.py"
+_spec = importlib.util.spec_from_file_location("simulate", _PATH)
+simulate = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("simulate", simulate)  # dataclasses look their module up while executing it
+_spec.loader.exec_module(simulate)
+
+FIELDS = {
+    "model": str,
+    "params": int,
+    "doclens": str,
+    "gpus": int,
+    "ca_ranks": int,
+    "tp": int,
+    "context": int,
+    "policy": str,
+    "pingpong": bool,
+    "seeds": int,
+    "step_s": float,
+    "linear_s": float,
+    "attn_s": float,
+    "comm_s": float,
+    "exposed_s": float,
+    "imbalance": float,
+    "plan_ms": float,
+    "max_gpu_fwd_bytes": float,
+    "speedup_vs_per_doc_cp": float,
+    "speedup_vs_wlb_cp": float,
+    "speedup_vs_colocated": float,
+    "speedup_vs_wlb_cp_no_pp": float,
+    "paper_3d_vs_wlb": list,
+}
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """Rows of one ``--quick --json`` run and its output directory."""
+    out = tmp_path_factory.mktemp("simulate")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = simulate.main(["--quick", "--json", "--out", str(out)])
+    assert rc == 0
+    rows = [json.loads(line) for line in buf.getvalue().splitlines() if line.strip()]
+    return rows, out
+
+
+def _by(rows):
+    return {(r["model"], r["doclens"], r["gpus"], r["context"], r["policy"], r["pingpong"]): r for r in rows}
+
+
+def test_json_rows_have_fields(quick):
+    """Every row carries the documented fields with the right types and sane values."""
+    rows, _ = quick
+    # llama3-8b x {pretrain, prolong} x {64, 256} GPUs x 128K x 5 policies x {off, on}
+    assert len(rows) == 2 * 2 * len(simulate.POLICIES) * 2
+    for r in rows:
+        for name, typ in FIELDS.items():
+            assert isinstance(r[name], typ), f"{name}={r.get(name)!r} in {r['policy']}"
+        assert r["model"] == "llama3-8b" and r["params"] == simulate.ARCHS["llama3-8b"].params
+        assert r["ca_ranks"] * r["tp"] == r["gpus"]
+        assert r["step_s"] > r["linear_s"] > 0
+        assert r["imbalance"] >= 1.0
+        assert 0 <= r["exposed_s"] <= r["comm_s"] + 1e-9 or r["policy"] == "wlb_cp"
+    assert {r["policy"] for r in rows} == set(simulate.POLICIES)
+    assert all(1 <= r["cp"] <= r["ca_ranks"] for r in rows if r["policy"] == "wlb_cp")
+
+
+def test_distca_beats_colocated_on_skewed_batch(quick):
+    """ProLong at 256 GPUs is very skewed (colocated imbalance >> 1): distca's step is shorter."""
+    by = _by(quick[0])
+    for pp in (False, True):
+        col = by[("llama3-8b", "prolong", 256, 131072, "colocated", pp)]
+        dca = by[("llama3-8b", "prolong", 256, 131072, "distca", pp)]
+        assert col["imbalance"] > 1.5
+        assert dca["step_s"] <= col["step_s"]
+        assert dca["imbalance"] < 1.1
+
+
+def test_pingpong_never_slower(quick):
+    """For every configuration and policy, overlap never increases the step time."""
+    rows, _ = quick
+    by = _by(rows)
+    for (model, dist, gpus, ctx, policy, pp), r in by.items():
+        if pp:
+            assert r["step_s"] <= by[(model, dist, gpus, ctx, policy, False)]["step_s"] * (1 + 1e-12)
+
+
+def test_plot_and_results_written(quick):
+    _, out = quick
+    png = out / "speedup.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = (out / "results.jsonl").read_text().splitlines()
+    assert len(lines) == len(quick[0])
+
+
+def test_phase_overlap_bounds():
+    """Ping-pong time lies between max(compute, comm) and the serial sum, elementwise."""
+    rng = np.random.default_rng(0)
+    lin, attn, d, o = (rng.exponential(1.0, 1000) for _ in range(4))
+    serial = simulate._phase(lin, attn, d, o, pingpong=False)
+    over = simulate._phase(lin, attn, d, o, pingpong=True)
+    assert np.allclose(serial, lin + attn + d + o)
+    assert np.all(over <= serial + 1e-12)
+    assert np.all(over >= np.maximum(lin + attn, d + o) - 1e-12)
+    # No communication: overlap changes nothing.
+    z = np.zeros(1000)
+    assert np.allclose(simulate._phase(lin, attn, z, z, True), lin + attn)
+
+
+def test_arch_matches_model_shapes_and_param_counts():
+    """The linear-FLOPs sizes agree with distca.MODEL_SHAPES; parameter counts are the known ones."""
+    for name, a in simulate.ARCHS.items():
+        s = MODEL_SHAPES[name]
+        assert (a.heads, a.kv_heads, a.head_dim) == (s.num_heads, s.num_kv_heads, s.head_dim)
+    assert simulate.ARCHS["llama3-8b"].params == pytest.approx(8.03e9, rel=0.01)
+    assert simulate.ARCHS["llama3-34b"].params == pytest.approx(33.7e9, rel=0.01)
+
+
+def test_wlb_cp_serves_every_pair_once_and_matches_per_doc_cp_at_full_degree():
+    """wlb_cp's groups serve every causal pair of every document exactly once, at any CP degree;
+    at c = R it is the planner's per_doc_cp; with documents cut at rank boundaries and c = 1
+    nothing moves."""
+    shape = MODEL_SHAPES["llama3-8b"]
+    cm = load_cost_model("h200").for_shape(shape)
+    rng = np.random.default_rng(3)
+    R, T = 8, 4096
+    lay = Layout.from_doclens(rng.integers(50, 9000, 40), R, T)
+    total = int(sum(n * (n + 1) // 2 for n in lay.doc_lens.tolist()))
+    for c in (1, 2, 4, 8):
+        w = simulate.wlb_cp(lay, c, shape, cm, 0.05)
+        t = w.tasks
+        assert w.loads.shape == (R,) and w.ag_bytes.shape == (R,)
+        assert np.all((t[:, 1] < t[:, 2]) & (t[:, 2] <= lay.doc_lens[t[:, 0]]))
+        assert int(causal_pairs(t[:, 1], t[:, 2]).sum()) == total
+        # Query ranges tile each document: sorted by (doc, q_start), each starts where the last ended.
+        o = np.lexsort((t[:, 1], t[:, 0]))
+        d, qs, qe = t[o, 0], t[o, 1], t[o, 2]
+        first = np.r_[True, d[1:] != d[:-1]]
+        assert np.all(qs[first] == 0) and np.all(qs[~first] == qe[np.nonzero(~first)[0] - 1])
+    full = plan(lay, "per_doc_cp", shape=shape, cost_model="h200")
+    assert np.allclose(simulate.wlb_cp(lay, R, shape, cm, 0.05).loads, full.loads, rtol=1e-3)
+    cut = Layout(tuple(np.union1d(lay.cu_array, np.arange(0, R * T + 1, T)).tolist()), R, T)
+    assert np.all(simulate.wlb_cp(cut, 1, shape, cm, 0.05).ag_bytes == 0)
+
+
+def test_cli_rejects_bad_gpus():
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        simulate.main(["--gpus", "60", "--no-plot"])
