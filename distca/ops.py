@@ -1,4 +1,4 @@
-"""``distca::varlen_attn``: fused causal attention over a batch of attention tasks.
+"""``distca::varlen_attn_fwd`` / ``_bwd``: fused causal attention over a batch of tasks.
 
 Laid out like ``torch/nn/attention/varlen.py``: a forward custom op and its fake,
 a backward custom op and its fake, ``register_autograd`` joining them, and a

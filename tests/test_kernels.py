@@ -255,8 +255,12 @@ def _check_kernel_inputs(calls, q, k, v, cu_q, cu_k, softmax_scale, dropout_p):
     assert dropout_p == 0.0
 
 
-def _fake_flash_module(calls, *, version):
-    """A stand-in ``flash_attn`` package with the 2.7+ or the 2.6 private API."""
+def _fake_flash_module(calls, *, version, opaque=False):
+    """A stand-in ``flash_attn`` package with the 2.7+ or the 2.6 private API.
+
+    ``opaque`` hides the signatures behind ``(*args, **kwargs)`` wrappers, as
+    flash-attn >= 2.7 does when it misreads torch's version string.
+    """
 
     def fwd_27(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
@@ -299,19 +303,24 @@ def _fake_flash_module(calls, *, version):
             softcap, alibi_slopes, deterministic, rng_state,
         )  # fmt: skip
 
+    def hide(fn):
+        return (lambda *args, **kwargs: fn(*args, **kwargs)) if opaque else fn
+
     pkg = types.ModuleType("flash_attn")
+    pkg.__version__ = "2.7.4.post1" if version == "2.7" else "2.6.3"
     iface = types.ModuleType("flash_attn.flash_attn_interface")
-    iface._flash_attn_varlen_forward = fwd_27 if version == "2.7" else fwd_26
-    iface._flash_attn_varlen_backward = bwd_27 if version == "2.7" else bwd_26
+    iface._flash_attn_varlen_forward = hide(fwd_27 if version == "2.7" else fwd_26)
+    iface._flash_attn_varlen_backward = hide(bwd_27 if version == "2.7" else bwd_26)
     pkg.flash_attn_interface = iface
     return {"flash_attn": pkg, "flash_attn.flash_attn_interface": iface}
 
 
+@pytest.mark.parametrize("opaque", [False, True], ids=["signature", "opaque-wrapper"])
 @pytest.mark.parametrize("version", ["2.7", "2.6"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_flash_attn_adapter(monkeypatch, version, causal):
+def test_flash_attn_adapter(monkeypatch, version, causal, opaque):
     calls = []
-    for name, mod in _fake_flash_module(calls, version=version).items():
+    for name, mod in _fake_flash_module(calls, version=version, opaque=opaque).items():
         monkeypatch.setitem(sys.modules, name, mod)
     lq, lk = [0, 5, 33, 9], [4, 5, 100, 3]  # zero-query task, square, tail, Lq > Lk
     q, k, v, cu_q, cu_k = make_inputs(lq, lk, 4, 2, 59, torch.bfloat16)
@@ -324,6 +333,34 @@ def test_flash_attn_adapter(monkeypatch, version, causal):
     assert_matches_reference((out, lse, *grads), q, k, v, cu_q, cu_k, scale, causal, dout)
     assert [c["softmax_scale"] for c in calls] == [scale, scale]  # not the padded D's
     assert calls[0]["q"].shape == (q.shape[0], 4, 64) and calls[0]["k"].shape == (k.shape[0], 2, 64)
+
+
+def test_flash_attn_adapter_reads_custom_op_signature():
+    """flash-attn >= 2.7 wraps its functions with torch.library.custom_op."""
+
+    @torch.library.custom_op("distca_test::fake_flash_fwd", mutates_args=())
+    def fake(q: torch.Tensor, window_size_left: int = -1, window_size_right: int = -1) -> torch.Tensor:
+        return q.clone()
+
+    assert _cuda._window_kwargs(fake, causal=True) == {"window_size_left": -1, "window_size_right": 0}
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen"])
+@pytest.mark.parametrize("lq, lk", [([0, 0], [3, 4]), ([2, 3], [0, 0]), ([], [])])
+def test_empty_batches_never_reach_cuda_kernels(monkeypatch, backend, lq, lk):
+    """No query, or no key at all (a server that received nothing), is answered up front."""
+    monkeypatch.setattr(_cuda, "flash_attn_fwd", None)
+    monkeypatch.setattr(_cuda, "torch_varlen_fwd", None)
+    monkeypatch.setattr(_cuda, "flash_attn_bwd", None)
+    monkeypatch.setattr(_cuda, "torch_varlen_bwd", None)
+    q, k, v, cu_q, cu_k = make_inputs(lq, lk, 4, 2, 16, torch.bfloat16)
+    meta = (cu_q, cu_k, max(lq, default=0), max(lk, default=0), 0.25, True, backend)
+    out, lse = varlen_attn_forward(q, k, v, *meta)
+    assert torch.equal(out, torch.zeros_like(q)) and (lse == float("-inf")).all()
+    assert lse.shape == (4, q.shape[0])
+    grads = varlen_attn_backward(torch.ones_like(q), q, k, v, out, lse, *meta)
+    for g, x in zip(grads, (q, k, v)):
+        assert torch.equal(g, torch.zeros_like(x))
 
 
 def test_flash_attn_adapter_rejects_fp32(monkeypatch):

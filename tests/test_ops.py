@@ -88,6 +88,8 @@ def test_opcheck_backward():
         torch.library.opcheck(torch.ops.distca.varlen_attn_bwd.default, args)
 
 
+# Inductor's CPU code path calls torch.jit.script_method, deprecated in torch 2.13.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_compile_fullgraph_matches_eager():
     """One node for the op under torch.compile: no graph break, same forward and grads."""
 
@@ -189,3 +191,21 @@ def test_random_task_batches(batch, seed):
     dlse = torch.randn(hq, q.shape[0], generator=gen)
     got = _run(q, k, v, cu_q, cu_k, dout, dlse, causal=causal)
     assert_matches_reference(got, q, k, v, cu_q, cu_k, d**-0.5, causal, dout, dlse)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["out-grad", "out-and-lse-grad"])
+def test_cuda_autograd_matches_reference(with_dlse):
+    """The public op on CUDA (default backend), cu_seqlens kept on the host."""
+    lq, lk = [3, 0, 97, 130, 9], [3, 4, 1025, 130, 2]
+    q, k, v, cu_q, cu_k = make_inputs(lq, lk, 4, 2, 64, torch.bfloat16)
+    gen = torch.Generator().manual_seed(8)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+    dlse = torch.randn(4, q.shape[0], generator=gen) if with_dlse else None
+    got = _run(
+        q.cuda(), k.cuda(), v.cuda(), cu_q, cu_k, dout.cuda(),
+        None if dlse is None else dlse.cuda(),
+    )  # fmt: skip
+    got = [x.cpu() for x in got]
+    assert_matches_reference(got, q, k, v, cu_q, cu_k, 64**-0.5, True, dout, dlse)

@@ -104,6 +104,13 @@ def varlen_attn_forward(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of varlen attention; returns ``(out [Tq, Hq, D], lse [Hq, Tq] fp32)``."""
+    tq, hq, _ = q.shape
+    if tq == 0 or k.shape[0] == 0:
+        # No query, or no key for any query (an attention server that received
+        # nothing): answered here, since the CUDA kernels reject empty batches.
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
+        return out, lse
     if backend == "cpu":
         return _cpu.varlen_fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
     if backend == "flash_attn":
@@ -140,6 +147,8 @@ def varlen_attn_backward(
     dp unchanged), dout gets 1 and out gets ``-dlse``, so the kernel's
     ``delta`` becomes ``delta - dlse``. The extra column is dropped afterwards.
     """
+    if q.shape[0] == 0 or k.shape[0] == 0:  # see varlen_attn_forward
+        return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     d = q.shape[-1]
     if dlse is not None:
         q, k, v = (F.pad(x, (0, 1)) for x in (q, k, v))  # [T, H, D + 1]

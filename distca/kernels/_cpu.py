@@ -15,7 +15,7 @@ keys split into a prefix ``[0, Lk - Lq)`` that every query sees and a square
 causal diagonal block ``[Lk - Lq, Lk)``:
 
 * short tails (``Lq < _SPLIT_MIN_QUERIES``) make one call with a float additive
-  0/-inf mask of shape ``[Lq, Lk]`` (a bool mask is rejected by the kernel);
+  0/-inf mask of shape ``[Lq, Lk]`` (the kernel rejects bool masks);
 * longer tails make two mask-free calls, prefix (non-causal) and diagonal
   (``is_causal=True``), merged by their lse. Their backward is exact without a
   merge: the softmax backward only needs the *final* ``out`` and ``lse``, so each
@@ -37,10 +37,11 @@ _fwd_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _bwd_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 # Causal tails with at least this many queries use the two-call split instead of
-# a dense [Lq, Lk] mask: building and reading the mask costs O(Lq * Lk) memory
-# traffic, which outgrows the second call's overhead. Measured on 2 cores, fp32,
-# H=8, D=64 (see scripts/bench_attention.py and the kernel report).
-_SPLIT_MIN_QUERIES = 128
+# the dense [Lq, Lk] mask. Measured with scripts/bench_attention.py's layout (doc
+# 4096 cut into shards, fp32, H=8, D=64, 1 thread): the split's forward is 0-30 %
+# faster at every shard size (no O(Lq * Lk) mask to build and read); its backward
+# is 20 % slower at 16 queries, even at 32-48 and faster from 64 on.
+_SPLIT_MIN_QUERIES = 64
 
 
 def _bhld(x: torch.Tensor) -> torch.Tensor:
@@ -87,23 +88,26 @@ def _attend_bwd(
     lse: torch.Tensor,  # [1, H, Lq] fp32
     scale: float,
     causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of :func:`_attend`; returns (dq, dk, dv) in the kernel layout."""
+    dk: torch.Tensor,  # [Lk, Hkv, D], written
+    dv: torch.Tensor,  # [Lk, Hkv, D], written
+) -> torch.Tensor:
+    """Backward of :func:`_attend`: writes dk, dv; returns dq ``[1, H, Lq, D]``."""
     lq, lk = q.shape[2], k.shape[2]
-    if not causal or lq == lk:
-        return _bwd_op(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    if lq < _SPLIT_MIN_QUERIES:
-        mask = _tail_mask(lq, lk, q.dtype)
-        return _bwd_op(dout, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
+    if not causal or lq == lk or lq < _SPLIT_MIN_QUERIES:
+        mask = None if not causal or lq == lk else _tail_mask(lq, lk, q.dtype)
+        is_causal = causal and mask is None
+        dq, g_k, g_v = _bwd_op(dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
+        dk.copy_(g_k[0].transpose(0, 1))
+        dv.copy_(g_v[0].transpose(0, 1))
+        return dq
     p = lk - lq
-    dq_a, dk_a, dv_a = _bwd_op(
-        dout, q, k[:, :, :p], v[:, :, :p], out, lse, 0.0, False, scale=scale
-    )
-    dq_b, dk_b, dv_b = _bwd_op(
-        dout, q, k[:, :, p:], v[:, :, p:], out, lse, 0.0, True, scale=scale
-    )
-    dq = dq_a.float().add_(dq_b)
-    return dq, torch.cat([dk_a, dk_b], dim=2), torch.cat([dv_a, dv_b], dim=2)
+    dq_a, dk_a, dv_a = _bwd_op(dout, q, k[:, :, :p], v[:, :, :p], out, lse, 0.0, False, scale=scale)
+    dq_b, dk_b, dv_b = _bwd_op(dout, q, k[:, :, p:], v[:, :, p:], out, lse, 0.0, True, scale=scale)
+    dk[:p].copy_(dk_a[0].transpose(0, 1))
+    dk[p:].copy_(dk_b[0].transpose(0, 1))
+    dv[:p].copy_(dv_a[0].transpose(0, 1))
+    dv[p:].copy_(dv_b[0].transpose(0, 1))
+    return dq_a.float().add_(dq_b)
 
 
 def _visible_rows(lq: int, lk: int, causal: bool) -> int:
@@ -170,7 +174,7 @@ def varlen_bwd_cpu(
             dk[k0:k1].zero_()
             dv[k0:k1].zero_()
             continue
-        g_q, g_k, g_v = _attend_bwd(
+        g_q = _attend_bwd(
             _bhld(dout[r:q1]),
             _bhld(q[r:q1]),
             _bhld(k[k0:k1]),
@@ -179,8 +183,8 @@ def varlen_bwd_cpu(
             lse[:, r:q1].unsqueeze(0),
             softmax_scale,
             causal,
+            dk[k0:k1],
+            dv[k0:k1],
         )
         dq[r:q1].copy_(g_q[0].transpose(0, 1))
-        dk[k0:k1].copy_(g_k[0].transpose(0, 1))
-        dv[k0:k1].copy_(g_v[0].transpose(0, 1))
     return dq, dk, dv

@@ -5,10 +5,11 @@ This is the one adapter around private dependency APIs (style.md section 3):
 * ``flash_attn``: ``flash_attn.flash_attn_interface._flash_attn_varlen_forward`` /
   ``_flash_attn_varlen_backward``, the functions behind ``flash_attn_varlen_func``.
   The public function has no backward that takes a saved ``(out, lse)``, so the
-  private pair is used. Across flash-attn 2.6 .. 2.8 they differ in the window
-  argument (``window_size=(l, r)`` before 2.7, ``window_size_left/right`` after)
-  and in the forward's return tuple (8 entries before 2.7, 4 after); both forms
-  keep ``out`` first and ``softmax_lse`` third from last. Head dims that are not a
+  private pair is used, with keyword arguments. Across flash-attn 2.6 .. 2.8 they
+  differ in the window argument (``window_size=(l, r)`` before 2.7,
+  ``window_size_left/right`` after) and in the forward's return tuple (8 entries
+  before 2.7, 4 after); both forms keep ``out`` first and ``softmax_lse`` third
+  from last. Head dims that are not a
   multiple of 8 are zero-padded here, as ``flash_attn_varlen_func`` does.
 * ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` for the forward (it
   returns the lse through ``return_aux=AuxRequest(lse=True)``) and
@@ -42,10 +43,28 @@ def _params(fn: Callable) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
 
+def _version(text: str) -> tuple[int, ...]:
+    """``"2.7.4.post1"`` -> ``(2, 7)``."""
+    return tuple(int(part) for part in text.split(".")[:2])
+
+
 def _window_kwargs(fn: Callable, causal: bool) -> dict:
-    """Causal/full window in the argument form ``fn`` expects (-1 = unbounded)."""
+    """Causal/full window (-1 = unbounded) in the argument form flash-attn's ``fn`` takes."""
     right = 0 if causal else -1
-    if "window_size_left" in _params(fn):  # flash-attn >= 2.7
+    # flash-attn >= 2.7 registers these functions as torch.library custom ops, whose
+    # wrapper hides the signature (kept in ``_init_fn``). When it misreads torch's
+    # version string ("2.13" < "2.4") it wraps them in a plain (*args, **kwargs)
+    # function instead; then only the package version tells.
+    params = _params(getattr(fn, "_init_fn", fn))
+    if "window_size_left" in params:
+        split = True
+    elif "window_size" in params:
+        split = False
+    else:
+        import flash_attn
+
+        split = _version(flash_attn.__version__) >= (2, 7)
+    if split:
         return {"window_size_left": -1, "window_size_right": right}
     return {"window_size": (-1, right)}
 
@@ -103,7 +122,6 @@ def flash_attn_fwd(
     _check_dtype(q, "flash_attn")
     tq, _, d = q.shape
     fn = fai._flash_attn_varlen_forward
-    optional = {"block_table": None, "leftpad_k": None, "seqused_k": None}
     outputs = fn(
         _pad8(q),
         _pad8(k),
@@ -118,8 +136,8 @@ def flash_attn_fwd(
         softcap=0.0,
         alibi_slopes=None,
         return_softmax=False,
+        block_table=None,
         **_window_kwargs(fn, causal),
-        **{name: val for name, val in optional.items() if name in _params(fn)},
     )
     out, lse = outputs[0], outputs[-3]
     return out[..., :d].contiguous(), _lse_out(lse, tq)
@@ -203,7 +221,7 @@ def torch_varlen_fwd(
     _check_dtype(q, "torch_varlen")
     tq, hq, d = q.shape
     fn = varlen.varlen_attn
-    if "window_size" in _params(fn):  # torch >= 2.11: causal is the (-1, 0) window
+    if "window_size" in _params(fn):  # newer torch: causal is the (-1, 0) window
         mask_kwargs = {"window_size": (-1, 0) if causal else (-1, -1)}
     else:
         mask_kwargs = {"is_causal": causal}
@@ -246,7 +264,7 @@ def torch_varlen_bwd(
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty(0, device=q.device)
     window_kwargs = {}
-    if "window_size_left" in _aten_flash_backward_args():  # torch >= 2.11
+    if "window_size_left" in _aten_flash_backward_args():  # newer torch
         window_kwargs = {"window_size_left": -1, "window_size_right": 0 if causal else -1}
     grads = _aten_flash_backward(
         dout,
