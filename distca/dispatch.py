@@ -68,6 +68,9 @@ class DispatchMeta:
     """[B + 1] int32 kernel key offsets; task b's keys are its document's prefix [0, q_end)."""
     max_seqlen_q: int
     max_seqlen_k: int
+    local_only: bool = False
+    """True when no rank of the plan sends any row to another rank (a global property,
+    equal on every rank), so the exchanges can be skipped by all ranks together."""
 
     @property
     def num_tasks(self) -> int:
@@ -197,6 +200,7 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
         cu_seqlens_k=torch.from_numpy(cu_k),
         max_seqlen_q=int(qlen.max()) if qlen.size else 0,
         max_seqlen_k=int(klen.max()) if klen.size else 0,
+        local_only=plan.traffic.src.size == 0,
     )
 
 
@@ -205,13 +209,17 @@ def all_to_all_rows(
     send_splits: tuple[int, ...],
     recv_splits: tuple[int, ...],
     group: dist.ProcessGroup | None,
+    local_only: bool = False,
 ) -> torch.Tensor:
     """Exchange rows of ``x`` [N, ...] (grouped by destination) with every rank of ``group``.
 
     Eager ``dist.all_to_all_single``: call it only outside functional custom ops
-    (Inductor may drop a functional op whose result is empty).
+    (Inductor may drop a functional op whose result is empty). ``local_only``
+    (the same on every rank) skips the collective: every row stays here.
     """
     x = x.contiguous()
+    if local_only:
+        return x
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x, list(recv_splits), list(send_splits), group=group)
     return out

@@ -18,6 +18,14 @@ about 0.27 GiB each for k, v, dk and dv). The defaults run in about a minute on
     python scripts/bench_attention.py                 # table, CPU defaults
     python scripts/bench_attention.py --json          # one JSON object per shard size per line
     python scripts/bench_attention.py --device cuda --dtype bfloat16 --heads 32 --kv-heads 8 --head-dim 128
+
+With ``--dist`` it instead runs ``distca.core_attention`` on ``--ranks`` spawned gloo
+processes (1 thread each) with ``distca`` plans against ``colocated`` plans on a
+skewed layout (rank 0 holds one long document, the others ``--short-doc``-token
+documents) and a uniform one, and reports the slowest rank's time, forward and
+forward+backward (median over ``--repeats``):
+
+    python scripts/bench_attention.py --dist --tokens-per-rank 8192 --repeats 5
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import argparse
 import json
 import time
 
+import numpy as np
 import torch
 
 from distca.kernels import select_backend, varlen_attn_backward, varlen_attn_forward
@@ -50,6 +59,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     p.add_argument("--backend", default=None, help="cpu, flash_attn, torch_varlen (default: auto)")
     p.add_argument("--json", action="store_true", help="one JSON object per shard size per line")
+    d = p.add_argument_group("distributed (--dist)")
+    d.add_argument("--dist", action="store_true", help="benchmark core_attention on spawned gloo ranks")
+    d.add_argument("--ranks", type=int, default=2)
+    d.add_argument("--tokens-per-rank", type=int, default=8192)
+    d.add_argument("--short-doc", type=int, default=256, help="length of the short documents")
+    d.add_argument("--mode", default="resend", choices=("resend", "keep"))
+    d.add_argument("--cost-model", default="cpu", help="planner time model (stored name or JSON path)")
     args = p.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
     args.shards = [int(s) for s in args.shards.split(",") if s]
@@ -171,8 +187,124 @@ def _print_table(args: argparse.Namespace, rows: list[dict]) -> None:
         )
 
 
+# ---- distributed: the op with balanced plans against colocated plans -------------------------
+
+
+def _dist_layouts(R: int, T: int, short: int) -> dict[str, list[int]]:
+    """skewed: rank 0 holds one long document, the others many short ones; uniform: short everywhere."""
+    skewed = [0, T] + list(range(T + short, R * T, short)) + [R * T]
+    uniform = list(range(0, R * T, short)) + [R * T]
+    return {"skewed": sorted(set(skewed)), "uniform": sorted(set(uniform))}
+
+
+def _dist_worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    import os
+    from datetime import timedelta
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import distca
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
+    T, dtype = args.tokens_per_rank, getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(T, args.heads, args.head_dim, generator=g, dtype=dtype)
+    k = torch.randn(T, args.kv_heads, args.head_dim, generator=g, dtype=dtype)
+    v = torch.randn(T, args.kv_heads, args.head_dim, generator=g, dtype=dtype)
+    shape = distca.ModelShape(args.heads, args.kv_heads, args.head_dim, torch.empty((), dtype=dtype).element_size())
+    rows = []
+    for name, cu in _dist_layouts(world, T, args.short_doc).items():
+        lay = distca.Layout(tuple(cu), world, T)
+        for policy in ("colocated", "distca"):
+            p = distca.plan(lay, policy, shape=shape, cost_model=args.cost_model, mode=args.mode)
+            dp = distca.prepare(p)
+            res = {"workload": name, "policy": policy, "imbalance": round(p.imbalance, 3)}
+            for phase in ("fwd", "fwdbwd"):
+                times = []
+                for it in range(args.repeats + 1):
+                    qq, kk, vv = (x.clone().requires_grad_(phase == "fwdbwd") for x in (q, k, v))
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    if phase == "fwd":
+                        with torch.no_grad():
+                            distca.core_attention(qq, kk, vv, cu, plan=dp, mode=args.mode)
+                    else:
+                        distca.core_attention(qq, kk, vv, cu, plan=dp, mode=args.mode).sum().backward()
+                    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                    dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the step waits for the slowest rank
+                    if it:  # the first call warms up
+                        times.append(float(dt))
+                res[f"{phase}_s"] = float(np.median(times))
+                res[f"{phase}_min_s"] = float(np.min(times))
+            rows.append(res)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put(rows)
+
+
+def run_dist(args: argparse.Namespace) -> list[dict]:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_dist_worker, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    rows = queue.get(timeout=1800)
+    for p in procs:
+        p.join()
+    by = {(r["workload"], r["policy"]): r for r in rows}
+    out = []
+    for w in ("skewed", "uniform"):
+        c, d = by[(w, "colocated")], by[(w, "distca")]
+        out.append(
+            {
+                "workload": w,
+                "ranks": args.ranks,
+                "tokens_per_rank": args.tokens_per_rank,
+                "colocated_fwd_s": c["fwd_s"],
+                "distca_fwd_s": d["fwd_s"],
+                "speedup_fwd": c["fwd_s"] / d["fwd_s"],
+                "colocated_fwdbwd_s": c["fwdbwd_s"],
+                "distca_fwdbwd_s": d["fwdbwd_s"],
+                "speedup_fwdbwd": c["fwdbwd_s"] / d["fwdbwd_s"],
+                "imbalance_colocated": c["imbalance"],
+                "imbalance_distca": d["imbalance"],
+            }
+        )
+    return out
+
+
+def _print_dist(rows: list[dict]) -> None:
+    print(f"{'workload':<9} {'fwd coloc':>10} {'fwd distca':>11} {'speedup':>8} {'f+b coloc':>10} {'f+b distca':>11} {'speedup':>8}  imbalance")
+    for r in rows:
+        print(
+            f"{r['workload']:<9} {r['colocated_fwd_s']:>10.3f} {r['distca_fwd_s']:>11.3f} {r['speedup_fwd']:>8.2f} "
+            f"{r['colocated_fwdbwd_s']:>10.3f} {r['distca_fwdbwd_s']:>11.3f} {r['speedup_fwdbwd']:>8.2f}  "
+            f"{r['imbalance_colocated']:.2f} -> {r['imbalance_distca']:.2f}"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
+    if args.dist:
+        rows = run_dist(args)
+        if args.json:
+            for row in rows:
+                print(json.dumps(row))
+        else:
+            _print_dist(rows)
+        return
     rows = run(args)
     if args.json:
         for row in rows:
