@@ -153,22 +153,22 @@ def _unpack(buf: torch.Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]])
 def _send_q_rows(m: DispatchMeta, pg, *xs: torch.Tensor) -> list[torch.Tensor]:
     """Home -> server for Q-indexed rows [T, ...]; returns them in kernel order."""
     specs = [(tuple(x.shape[1:]), x.dtype) for x in xs]
-    buf = all_to_all_rows(_pack(*(x[m.q_send_idx] for x in xs)), m.q_send_splits, m.q_recv_splits, pg, m.local_only)
-    return [y[m.q_recv_to_task] for y in _unpack(buf, specs)]
+    buf = all_to_all_rows(_pack(*(m.take(x, "q_send_idx") for x in xs)), m.q_send_splits, m.q_recv_splits, pg, m.local_only)
+    return [m.take(y, "q_recv_to_task") for y in _unpack(buf, specs)]
 
 
 def _return_q_rows(m: DispatchMeta, pg, *xs: torch.Tensor) -> list[torch.Tensor]:
     """Server -> home for kernel-order rows [Nq, ...]; returns them in local order [T, ...]."""
     specs = [(tuple(x.shape[1:]), x.dtype) for x in xs]
-    buf = all_to_all_rows(_pack(*(x[m.q_task_to_recv] for x in xs)), m.q_recv_splits, m.q_send_splits, pg, m.local_only)
-    return [y[m.q_send_inv] for y in _unpack(buf, specs)]
+    buf = all_to_all_rows(_pack(*(m.take(x, "q_task_to_recv") for x in xs)), m.q_recv_splits, m.q_send_splits, pg, m.local_only)
+    return [m.take(y, "q_send_inv") for y in _unpack(buf, specs)]
 
 
 def _send_kv(m: DispatchMeta, pg, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Home -> server KV rows, each sent once per server, replicated per task on arrival."""
     hkv = k.shape[1]
-    kv = torch.cat([k, v], dim=1)[m.kv_send_idx]  # [rows, 2 Hkv, D]
-    recv = all_to_all_rows(kv, m.kv_send_splits, m.kv_recv_splits, pg, m.local_only)[m.kv_task_idx]
+    kv = m.take(torch.cat([k, v], dim=1), "kv_send_idx")  # [rows, 2 Hkv, D]
+    recv = m.take(all_to_all_rows(kv, m.kv_send_splits, m.kv_recv_splits, pg, m.local_only), "kv_task_idx")
     return recv[:, :hkv].contiguous(), recv[:, hkv:].contiguous()
 
 
@@ -177,9 +177,15 @@ def _return_dkv(m: DispatchMeta, pg, dk: torch.Tensor, dv: torch.Tensor, T: int)
     hkv = dk.shape[1]
     dkv = torch.cat([dk, dv], dim=1).float()  # fp32 sums
     n_recv = sum(m.kv_recv_splits)
-    uniq = dkv.new_zeros((n_recv, *dkv.shape[1:])).index_add_(0, m.kv_task_idx, dkv)
+    if "kv_task_idx" in m.identity:  # every received row used by exactly one task
+        uniq = dkv
+    else:
+        uniq = dkv.new_zeros((n_recv, *dkv.shape[1:])).index_add_(0, m.kv_task_idx, dkv)
     back = all_to_all_rows(uniq.to(dk.dtype), m.kv_recv_splits, m.kv_send_splits, pg, m.local_only)
-    home = back.new_zeros((T, *back.shape[1:]), dtype=torch.float32).index_add_(0, m.kv_send_idx, back.float())
+    if "kv_send_idx" in m.identity and back.shape[0] == T:  # each local row sent once, in order
+        home = back.float()
+    else:
+        home = back.new_zeros((T, *back.shape[1:]), dtype=torch.float32).index_add_(0, m.kv_send_idx, back.float())
     return home[:, :hkv], home[:, hkv:]
 
 

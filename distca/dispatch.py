@@ -71,6 +71,12 @@ class DispatchMeta:
     local_only: bool = False
     """True when no rank of the plan sends any row to another rank (a global property,
     equal on every rank), so the exchanges can be skipped by all ranks together."""
+    identity: frozenset = frozenset()
+    """Names of the index fields that are 0..n-1 in order: gathering with them is a no-op."""
+
+    def take(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``x[getattr(self, name)]``, without the copy when that index is the identity."""
+        return x if name in self.identity else x[getattr(self, name)]
 
     @property
     def num_tasks(self) -> int:
@@ -182,6 +188,21 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
     def i64(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
+    idx = {
+        "q_send_idx": q_send_idx,
+        "q_send_inv": q_send_inv,
+        "kv_send_idx": kv_send_idx,
+        "q_recv_to_task": q_recv_to_task,
+        "q_task_to_recv": q_task_to_recv,
+        "kv_task_idx": kv_task_idx,
+    }
+    sizes = {"q_recv_to_task": sum(q_recv_splits), "kv_task_idx": sum(kv_recv_splits)}
+    identity = frozenset(
+        name
+        for name, a in idx.items()
+        if a.size == sizes.get(name, a.size) and np.array_equal(a, np.arange(a.size))
+    )
+
     return DispatchMeta(
         rank=rank,
         ranks=R,
@@ -201,6 +222,7 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
         max_seqlen_q=int(qlen.max()) if qlen.size else 0,
         max_seqlen_k=int(klen.max()) if klen.size else 0,
         local_only=plan.traffic.src.size == 0,
+        identity=identity,
     )
 
 
