@@ -97,7 +97,7 @@ def prepare(
         if p.layout.ranks != R:
             err = f"plan is for {p.layout.ranks} ranks but the CA group has {R}"
     else:
-        cu = torch.as_tensor(plan_or_cu_seqlens).detach().cpu().numpy() if not isinstance(plan_or_cu_seqlens, (list, tuple)) else np.asarray(plan_or_cu_seqlens)
+        cu = _as_numpy(plan_or_cu_seqlens)
         total = int(cu[-1]) if cu.size else 0
         T = tokens_per_rank if tokens_per_rank is not None else (total // R if total % R == 0 else -1)
         try:
@@ -113,6 +113,13 @@ def prepare(
     while len(_REGISTRY) > _MAX_PLANS:
         _REGISTRY.popitem(last=False)
     return DispatchPlan(p, torch.tensor([key], dtype=torch.int64))
+
+
+def _as_numpy(cu: torch.Tensor | np.ndarray | list[int] | tuple[int, ...]) -> np.ndarray:
+    """cu_seqlens as a 1-D numpy array (a host copy of a tensor: once per step, not per token)."""
+    if isinstance(cu, torch.Tensor):
+        return cu.detach().cpu().numpy()
+    return np.asarray(cu)
 
 
 def _entry(handle: torch.Tensor) -> _Entry:
@@ -379,10 +386,11 @@ def core_attention(
 
     if mode not in ("resend", "keep"):
         raise ValueError(f"mode must be 'resend' or 'keep', got {mode!r}")
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
-    if backend is None:
-        backend = kernels.select_backend(q.device)
+    if isinstance(q, torch.Tensor):  # otherwise validation below raises on every rank
+        if softmax_scale is None:
+            softmax_scale = q.shape[-1] ** -0.5
+        if backend is None:
+            backend = kernels.select_backend(q.device)
 
     if isinstance(plan, torch.Tensor):
         handle = plan
@@ -399,22 +407,24 @@ def core_attention(
     if torch.compiler.is_compiling():
         return _CoreAttentionFn.apply(q, k, v, handle, softmax_scale, mode, backend)
 
-    # Eager: validate on every rank, agreeing before any data moves.
+    # Eager: validate on every rank, agreeing before any data moves. The full check
+    # (cu_seqlens against the plan: a host copy) and the all-reduce run on the first
+    # call per plan and input signature, i.e. once per step, not once per layer.
     entry = _entry(handle)
     lay = entry.plan.layout
-    cu = None
-    if cu_seqlens is not None:
-        cu = torch.as_tensor(cu_seqlens).detach().cpu().numpy() if not isinstance(cu_seqlens, (list, tuple)) else np.asarray(cu_seqlens)
+    tensors = all(isinstance(x, torch.Tensor) for x in (q, k, v))
+    sig = (tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), mode) if tensors else None
+    first = sig not in entry.verified
+    cu = _as_numpy(cu_seqlens) if first and cu_seqlens is not None else None
     err = _local_error(q, k, v, cu, lay.tokens_per_rank, lay.ranks)
     if err is None and cu is not None and (cu.size != lay.num_docs + 1 or np.any(cu != lay.cu_array)):
         err = "cu_seqlens differ from the layout the plan was made for"
-    sig = (tuple(q.shape), tuple(k.shape), q.dtype, mode)
-    if err is not None or sig not in entry.verified:
+    if err is not None or first:
         agree(
             entry.group,
-            q.device if isinstance(q, torch.Tensor) else torch.device("cpu"),
+            q.device if tensors else torch.device("cpu"),
             err,
-            {"T and head shapes": fingerprint(sig[0], sig[1], str(q.dtype)), "mode": fingerprint(mode)},
+            {"T and head shapes": fingerprint(sig), "mode": fingerprint(mode)},
         )
         entry.verified.add(sig)
     return _CoreAttentionFn.apply(q, k, v, handle, softmax_scale, mode, backend)
