@@ -206,6 +206,7 @@ def _dist_worker(rank: int, world: int, port: int, args: argparse.Namespace, que
     import torch.distributed as dist
 
     import distca
+    from distca.dispatch import build_dispatch
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
@@ -223,6 +224,19 @@ def _dist_worker(rank: int, world: int, port: int, args: argparse.Namespace, que
             p = distca.plan(lay, policy, shape=shape, cost_model=args.cost_model, mode=args.mode)
             dp = distca.prepare(p)
             res = {"workload": name, "policy": policy, "imbalance": round(p.imbalance, 3)}
+            # Bytes per mode (forward, backward; all ranks, one call) and what `keep` holds on
+            # the busiest server between forward and backward: received Q, K, V (with
+            # replicas), O and LSE.
+            esize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+            for m in ("resend", "keep"):
+                tr = distca.plan(lay, policy, shape=shape, cost_model=args.cost_model, mode=m).traffic
+                res[f"{m}_fwd_bytes"], res[f"{m}_bwd_bytes"] = tr.total_bytes, tr.total_bwd_bytes
+            metas = [build_dispatch(p, r) for r in range(world)]
+            res["keep_server_bytes"] = max(
+                int(mt.cu_seqlens_q[-1]) * (2 * args.heads * args.head_dim * esize + 4 * args.heads)
+                + int(mt.cu_seqlens_k[-1]) * 2 * args.kv_heads * args.head_dim * esize
+                for mt in metas
+            )
             for phase in ("fwd", "fwdbwd"):
                 times = []
                 for it in range(args.repeats + 1):
@@ -280,6 +294,7 @@ def run_dist(args: argparse.Namespace) -> list[dict]:
                 "speedup_fwdbwd": c["fwdbwd_s"] / d["fwdbwd_s"],
                 "imbalance_colocated": c["imbalance"],
                 "imbalance_distca": d["imbalance"],
+                **{k: d[k] for k in d if k.endswith("bytes")},
             }
         )
     return out
