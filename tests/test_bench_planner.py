@@ -1,0 +1,54 @@
+"""The bench_planner.py command-line contract (other tools parse its JSON)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_planner.py"
+FIELDS = {
+    "policy", "ranks", "tokens_per_rank", "imbalance", "pairs_imbalance", "plan_ms",
+    "max_server_bytes", "total_bytes", "num_tasks",
+}  # fmt: skip
+
+
+def run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_json_one_object_per_policy(tmp_path):
+    r = run("--doclens", "prolong", "--ranks", "8", "--tokens-per-rank", "16384", "--upsample", "4",
+            "--upsample-threshold", "8192", "--seed", "3", "--policy", "distca", "--policy", "greedy",
+            "--model", "debug", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["policy"] for row in rows] == ["distca", "greedy"]
+    for row in rows:
+        assert FIELDS <= row.keys()
+        assert row["ranks"] == 8 and row["tokens_per_rank"] == 16384
+    assert rows[0]["imbalance"] <= rows[1]["imbalance"]
+
+
+def test_batch_file_and_table(tmp_path):
+    f = tmp_path / "batch.json"
+    f.write_text(json.dumps([3000, 500, 600, 4000, 100, 2000]))
+    r = run("--batch-file", str(f), "--ranks", "2", "--tokens-per-rank", "4096", "--min-shard", "16")
+    assert r.returncode == 0, r.stderr
+    assert "distca" in r.stdout and "colocated" in r.stdout and "imbal" in r.stdout
+    f.write_text(json.dumps([10, 20]))
+    r = run("--batch-file", str(f), "--ranks", "2", "--tokens-per-rank", "4096")
+    assert r.returncode != 0 and "holds 30 tokens, fewer than ranks*tokens_per_rank=8192" in r.stderr
+
+
+@pytest.mark.parametrize("name", ["pretrain", "prolong"])
+def test_shipped_distributions(name):
+    from distca.doclens import load_doclens, sample_doclens
+
+    lens = load_doclens(name)
+    assert lens.size > 70_000 and lens.min() > 0
+    a = sample_doclens(lens, 1 << 20, seed=1)
+    assert int(a.sum()) == 1 << 20 and a.min() > 0
+    assert (a == sample_doclens(lens, 1 << 20, seed=1)).all()
+    assert not (a[:50].tolist() == sample_doclens(lens, 1 << 20, seed=2)[:50].tolist())
