@@ -84,20 +84,11 @@ class DispatchMeta:
 
     def to(self, device: torch.device | str) -> "DispatchMeta":
         """The same metadata with index tensors on ``device`` (cu_seqlens too)."""
-        moved = {
-            f: getattr(self, f).to(device)
-            for f in (
-                "q_send_idx",
-                "q_send_inv",
-                "kv_send_idx",
-                "q_recv_to_task",
-                "q_task_to_recv",
-                "kv_task_idx",
-                "cu_seqlens_q",
-                "cu_seqlens_k",
-            )
-        }
+        moved = {f: getattr(self, f).to(device) for f in (*_INDEX_FIELDS, "cu_seqlens_q", "cu_seqlens_k")}
         return DispatchMeta(**{**self.__dict__, **moved})
+
+
+_INDEX_FIELDS = ("q_send_idx", "q_send_inv", "kv_send_idx", "q_recv_to_task", "q_task_to_recv", "kv_task_idx")
 
 
 def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -188,14 +179,7 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
     def i64(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
-    idx = {
-        "q_send_idx": q_send_idx,
-        "q_send_inv": q_send_inv,
-        "kv_send_idx": kv_send_idx,
-        "q_recv_to_task": q_recv_to_task,
-        "q_task_to_recv": q_task_to_recv,
-        "kv_task_idx": kv_task_idx,
-    }
+    idx = dict(zip(_INDEX_FIELDS, (q_send_idx, q_send_inv, kv_send_idx, q_recv_to_task, q_task_to_recv, kv_task_idx)))
     sizes = {"q_recv_to_task": sum(q_recv_splits), "kv_task_idx": sum(kv_recv_splits)}
     identity = frozenset(
         name
@@ -207,16 +191,11 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
         rank=rank,
         ranks=R,
         tokens_per_rank=T,
-        q_send_idx=i64(q_send_idx),
-        q_send_inv=i64(q_send_inv),
+        **{name: i64(a) for name, a in idx.items()},
         q_send_splits=q_send_splits,
-        kv_send_idx=i64(kv_send_idx),
         kv_send_splits=kv_send_splits,
         q_recv_splits=q_recv_splits,
-        q_recv_to_task=i64(q_recv_to_task),
-        q_task_to_recv=i64(q_task_to_recv),
         kv_recv_splits=kv_recv_splits,
-        kv_task_idx=i64(kv_task_idx),
         cu_seqlens_q=torch.from_numpy(cu_q),
         cu_seqlens_k=torch.from_numpy(cu_k),
         max_seqlen_q=int(qlen.max()) if qlen.size else 0,

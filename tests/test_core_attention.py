@@ -107,6 +107,9 @@ def _errors_worker(rank, world):
     # Nothing was half-changed: a valid call still works and is deterministic.
     out = distca.core_attention(q, k, v, cu, plan=dp)
     assert out.shape == q.shape and torch.isfinite(out).all()
+    # The module form and a Plan object (prepared inside) give the same result.
+    torch.testing.assert_close(distca.CoreAttention()(q, k, v, cu, plan=dp), out, rtol=0, atol=0)
+    torch.testing.assert_close(distca.core_attention(q, k, v, cu, plan=dp.plan), out, rtol=0, atol=0)
     return msgs
 
 
