@@ -165,7 +165,7 @@ def test_dtensor_inputs(world):
     assert all(run_workers(_dtensor_worker, world, timeout=120))
 
 
-def _compile_worker(rank, world, backend):
+def _compile_worker(rank, world, backend, mode):
     import torch._dynamo
 
     import distca
@@ -177,7 +177,7 @@ def _compile_worker(rank, world, backend):
     w.weight.data = torch.randn(d, d) / d**0.5
 
     def step(q, k, v, cu, handle):
-        out = distca.core_attention(w(q), k, v, cu, plan=handle)
+        out = distca.core_attention(w(q), k, v, cu, plan=handle, mode=mode)
         return (out * out).sum()
 
     compiled = torch.compile(step, fullgraph=True, backend=backend)
@@ -203,8 +203,9 @@ def _compile_worker(rank, world, backend):
 
 
 @pytest.mark.slow
-def test_compiled_matches_eager_without_recompiles():
-    res = run_workers(_compile_worker, 2, "inductor", timeout=400)
+@pytest.mark.parametrize("mode", ["resend", "keep"])
+def test_compiled_matches_eager_without_recompiles(mode):
+    res = run_workers(_compile_worker, 2, "inductor", mode, timeout=400)
     for worst, graphs in res:
         assert worst < 1e-4
         assert graphs == 1, f"{graphs} graphs compiled over 5 steps with different layouts"
