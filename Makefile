@@ -21,9 +21,16 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	$(PIP) install -q -c constraints/cpu.txt -e ".[titan,bench,test]"
 	touch $(STAMP)
 
+# The main job: torchtitan's llama3 debug model on 2 CPU processes with core
+# attention disaggregation on (train_configs/debug_cpu.toml), a few minutes.
 train: $(STAMP)
-	$(PY) scripts/bench_planner.py --doclens pretrain --ranks 64 --tokens-per-rank 131072
-	$(PY) scripts/bench_planner.py --doclens prolong --ranks 64 --tokens-per-rank 131072
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 -m torchtitan_ext.train \
+		--job.config_file train_configs/debug_cpu.toml
+
+# The planner report (balance, bytes, plan time of every policy on the paper's distributions).
+bench: $(STAMP)
+	$(PY) scripts/bench_planner.py --doclens pretrain --ranks 512 --tokens-per-rank 131072
+	$(PY) scripts/bench_planner.py --doclens prolong --ranks 512 --tokens-per-rank 131072
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -1,0 +1,272 @@
+"""torchtitan_ext.data: shipped tokenizer, CA-group windows, cut/label rules, checkpoint resume."""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from distca import Layout
+from distca.doclens import load_doclens
+from torchtitan_ext.data import (
+    DATASETS,
+    IGNORE_INDEX,
+    TOKENIZER_PATH,
+    CAPackedDataset,
+    StdlibStream,
+    StreamState,
+    SyntheticStream,
+    build_ca_dataloader,
+    group_window,
+    load_tokenizer,
+    make_stream,
+    rank_batch,
+    stdlib_files,
+)
+
+
+def _import_torchtitan():
+    # torchtitan 0.2.2 needs CPU start-up patches (triton stub, ...; platform.md §6).
+    from torchtitan_ext import _compat
+
+    _compat.apply()
+    import torchtitan.components.tokenizer  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def tok():
+    _import_torchtitan()
+    return load_tokenizer()
+
+
+@dataclass
+class ListStream:
+    """A known stream: document i is ``docs[i % len(docs)]`` with distinct token values."""
+
+    lens: list[int]
+    name: str = "list"
+
+    def doc(self, index):
+        k = index % len(self.lens)
+        return np.arange(self.lens[k], dtype=np.int64) + 1000 * index  # unique per (doc, offset)
+
+
+def _flat(stream, ndocs):
+    """Concatenated stream tokens and the doc index of each token."""
+    docs = [stream.doc(i) for i in range(ndocs)]
+    return np.concatenate(docs), np.repeat(np.arange(ndocs), [d.size for d in docs])
+
+
+# ---- tokenizer --------------------------------------------------------------------------------
+
+
+def test_tokenizer_loads_with_torchtitan_and_round_trips(tok):
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    assert isinstance(tok, HuggingFaceTokenizer)
+    assert tok.get_vocab_size() == 2048  # llama3 "debugmodel" vocab_size
+    assert (tok.bos_id, tok.eos_id) == (0, 1)
+    assert (TOKENIZER_PATH / "tokenizer.json").stat().st_size < 300_000
+    for text in [stdlib_files()[0].read_text(), "def f(x):\n    return x ** 2  # ünïcode ✓ 日本\n\t"]:
+        ids = tok.encode(text, add_bos=True, add_eos=True)
+        assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+        assert max(ids) < 2048
+        assert tok.decode(ids, skip_special_tokens=True) == text
+
+
+# ---- window rules on a known stream ------------------------------------------------------------
+
+
+@given(
+    lens=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+    R=st.integers(1, 4),
+    T=st.integers(1, 16),
+    steps=st.integers(1, 6),
+)
+def test_windows_follow_cut_and_label_rules(lens, R, T, steps):
+    stream = ListStream(lens)
+    flat, doc_of = _flat(stream, ndocs=R * T * steps + 2)  # enough: every doc >= 1 token
+    state, g0 = StreamState(), 0
+    for _ in range(steps):
+        w = group_window(stream, state, R, T)
+        n = R * T
+        g = np.arange(g0, g0 + n)
+        # Windows tile the stream in order.
+        assert w.tokens.tolist() == flat[g].tolist()
+        cu = w.cu_seqlens.numpy()
+        # cu_seqlens: every document start inside the window plus the window edges.
+        starts = [i for i in range(1, n) if doc_of[g0 + i] != doc_of[g0 + i - 1]]
+        assert cu.tolist() == [0, *starts, n]
+        lay = Layout(tuple(cu.tolist()), R, T)  # valid for distca
+        assert w.positions.tolist() == np.concatenate([lay.positions(r) for r in range(R)]).tolist()
+        # Labels: the same document's next token (also across the window end), else ignore.
+        same = doc_of[g + 1] == doc_of[g]
+        expect = np.where(same, flat[g + 1], IGNORE_INDEX)
+        assert w.labels.tolist() == expect.tolist()
+        state, g0 = w.next_state, g0 + n
+        assert np.array_equal(stream.doc(state.doc)[state.offset :], flat[g0 : g0 + len(stream.doc(state.doc)) - state.offset])
+
+
+def test_window_cut_example():
+    # Docs 5, 3, 9 tokens; R=2, T=6: step 0 = [5 | 3 | 4 of 9], step 1 starts with the 5 left.
+    stream = ListStream([5, 3, 9])
+    w0 = group_window(stream, StreamState(), 2, 6)
+    assert w0.cu_seqlens.tolist() == [0, 5, 8, 12]
+    assert w0.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]
+    assert w0.labels[4] == IGNORE_INDEX and w0.labels[7] == IGNORE_INDEX
+    assert w0.labels[11] == stream.doc(2)[4]  # doc 2 continues: real next token
+    assert w0.next_state == StreamState(2, 4)
+    w1 = group_window(stream, w0.next_state, 2, 6)
+    assert w1.cu_seqlens.tolist() == [0, 5, 10, 12]
+    assert w1.positions[:5].tolist() == [0, 1, 2, 3, 4]  # the remainder is a new piece
+    assert w1.tokens[0] == w0.labels[11]
+
+
+def test_rank_slices_concatenate_to_group_window():
+    stream = SyntheticStream("pretrain", scale=0.01, seed=3)
+    R, T = 4, 64
+    w = group_window(stream, StreamState(), R, T)
+    parts = [rank_batch(w, r, T) for r in range(R)]
+    for d, lab in parts:
+        assert d["input"].shape == d["positions"].shape == lab.shape == (1, T)
+        assert d["input"].dtype == d["positions"].dtype == d["cu_seqlens"].dtype == lab.dtype == torch.int64
+        assert torch.equal(d["cu_seqlens"], w.cu_seqlens)
+    assert torch.equal(torch.cat([d["input"][0] for d, _ in parts]), w.tokens)
+    assert torch.equal(torch.cat([d["positions"][0] for d, _ in parts]), w.positions)
+    assert torch.equal(torch.cat([lab[0] for _, lab in parts]), w.labels)
+
+
+# ---- sources -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dist", ["pretrain", "prolong"])
+def test_synthetic_lengths_follow_distribution(dist):
+    pool = load_doclens(dist)
+    for scale in (1.0, 0.25):
+        s = SyntheticStream(dist, scale=scale, seed=0)
+        lens = np.array([s.doc(i).size for i in range(4000)])
+        ref = np.median(pool) * scale
+        assert abs(np.median(lens) - ref) <= 0.15 * ref + 1, (np.median(lens), ref)
+        assert lens.min() >= 1 and lens.max() <= round(pool.max() * scale)
+    d = s.doc(7)
+    assert d.min() >= 0 and d.max() < 2048
+
+
+def test_synthetic_auto_scale_fits_window():
+    s = make_stream("synthetic_prolong", window_tokens=4 * 256)
+    assert round(load_doclens("prolong").max() * s.scale) == 1024
+    lens = [s.doc(i).size for i in range(2000)]
+    assert max(lens) <= 1024
+
+
+def test_stdlib_documents_are_real_files(tok):
+    s = StdlibStream(tok, seed=0)
+    files = stdlib_files()
+    assert s.num_files > 500 and s.per_epoch == s.num_files
+    i = s.file_index(0)
+    assert tok.decode(s.doc(0).tolist(), skip_special_tokens=True) == files[i].read_bytes().decode("utf-8", "replace")
+    # One epoch visits every file once; the next epoch is reshuffled.
+    e0 = [s.file_index(k) for k in range(s.per_epoch)]
+    e1 = [s.file_index(s.per_epoch + k) for k in range(s.per_epoch)]
+    assert sorted(e0) == sorted(e1) == list(range(s.num_files)) and e0 != e1
+
+
+def test_stdlib_groups_read_disjoint_shards(tok):
+    g = [StdlibStream(tok, group=k, num_groups=3, seed=5) for k in range(3)]
+    sets = [{s.file_index(i) for i in range(s.per_epoch)} for s in g]
+    assert all(len(x) == g[0].per_epoch for x in sets)
+    assert not (sets[0] & sets[1] or sets[0] & sets[2] or sets[1] & sets[2])
+
+
+@pytest.mark.parametrize("name", ["synthetic_pretrain", "stdlib"])
+def test_deterministic_given_seed(tok, name):
+    def windows(seed, group=0):
+        s = make_stream(name, tokenizer=tok, group=group, num_groups=2, seed=seed, window_tokens=512)
+        out, state = [], StreamState()
+        for _ in range(3):
+            w = group_window(s, state, 2, 256)
+            out.append(w.tokens)
+            state = w.next_state
+        return torch.cat(out)
+
+    assert torch.equal(windows(1), windows(1))
+    assert not torch.equal(windows(1), windows(2))
+    assert not torch.equal(windows(1, group=0), windows(1, group=1))
+
+
+# ---- torchtitan dataloader ---------------------------------------------------------------------
+
+
+def _job_config(dataset, **dl):
+    _import_torchtitan()
+    from torchtitan.config import JobConfig
+
+    jc = JobConfig()
+    jc.training.dataset = dataset
+    jc.training.local_batch_size = 1
+    for k, v in dl.items():
+        setattr(jc.training.dataloader, k, v)
+    return jc
+
+
+@pytest.mark.parametrize("name", ["stdlib", "synthetic_prolong"])
+def test_dataloader_ranks_share_the_group_window_and_resume(tok, name):
+    R, T, dp_world = 2, 128, 4
+    jc = _job_config(name)
+
+    def loader(dp_rank):
+        return build_ca_dataloader(jc, tok, dp_rank, dp_world, dp_rank % R, R, T, seed=11)
+
+    # Both ranks of group 1 (dp ranks 2, 3) see one window; group 0 sees another stream.
+    batches = {r: [b for _, b in zip(range(3), loader(r))] for r in range(dp_world)}
+    for step in range(3):
+        (d2, l2), (d3, l3) = batches[2][step], batches[3][step]
+        assert torch.equal(d2["cu_seqlens"], d3["cu_seqlens"])
+        Layout(tuple(d2["cu_seqlens"].tolist()), R, T)
+        assert d2["input"].shape == (1, T) and l2.shape == (1, T)
+        assert not torch.equal(batches[0][step][0]["input"], d2["input"])
+
+    # Resume: state after 2 steps, fresh loader, next batches identical to an uninterrupted run.
+    ld = loader(3)
+    it = iter(ld)
+    ref = [next(it) for _ in range(5)]
+    ld2 = loader(3)
+    it2 = iter(ld2)
+    [next(it2) for _ in range(2)]
+    sd = ld2.state_dict()
+    ld3 = loader(3)
+    ld3.load_state_dict(sd)
+    resumed = [b for _, b in zip(range(3), ld3)]
+    for (da, la), (db, lb) in zip(ref[2:], resumed):
+        assert all(torch.equal(da[k], db[k]) for k in da) and torch.equal(la, lb)
+
+
+def test_dataset_rejects_mismatched_checkpoint():
+    s = SyntheticStream("pretrain", scale=0.01)
+    a = CAPackedDataset(s, group=0, ca_rank=0, ca_degree=2, seq_len=64)
+    b = CAPackedDataset(s, group=0, ca_rank=0, ca_degree=2, seq_len=32)
+    with pytest.raises(ValueError, match="seq_len"):
+        b.load_state_dict(a.state_dict())
+
+
+def test_validation_errors(tok):
+    jc = _job_config("synthetic_pretrain")
+    with pytest.raises(ValueError, match="seq_len must be an integer >= 1"):
+        build_ca_dataloader(jc, tok, 0, 2, 0, 2, 0)
+    with pytest.raises(ValueError, match="ca_degree must divide dp_world"):
+        build_ca_dataloader(jc, tok, 0, 6, 0, 4, 16)
+    with pytest.raises(ValueError, match="ca_rank must be dp_rank % ca_degree"):
+        build_ca_dataloader(jc, tok, 1, 4, 0, 2, 16)
+    with pytest.raises(ValueError, match="valid names.*stdlib"):
+        build_ca_dataloader(_job_config("c4_test"), tok, 0, 2, 0, 2, 16)
+    with pytest.raises(ValueError, match="num_workers must be 0"):
+        build_ca_dataloader(_job_config("stdlib", num_workers=2), tok, 0, 2, 0, 2, 16)
+    with pytest.raises(ValueError, match="valid names"):
+        make_stream("c4")
+    with pytest.raises(ValueError, match="tokenizer"):
+        make_stream("stdlib")
+    with pytest.raises(ValueError, match="scale must be"):
+        SyntheticStream("pretrain", scale=0.0)
+    assert set(DATASETS) == {"stdlib", "synthetic_pretrain", "synthetic_prolong"}

@@ -1,0 +1,190 @@
+"""Every torchtitan 0.2.2 start-up patch for CPU-only machines, in one place.
+
+torchtitan 0.2.2 assumes CUDA and triton. On a machine without CUDA five
+things break at start-up (measured with torch 2.13 CPU; the list and the
+traces are in the project's platform notes, section 6). :func:`apply` fixes
+them from outside the package; nothing in site-packages is edited.
+
+Each patch is applied only when it is needed (no CUDA; the triton stub only
+when triton is missing), at most once (a second :func:`apply` is a no-op), and
+:func:`applied` reports which ones are active. On a CUDA machine :func:`apply`
+changes nothing.
+
+Call :func:`apply` before the first ``import torchtitan...``: torchtitan binds its
+device type at import time (patch 2).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import types
+from datetime import timedelta
+
+import torch
+
+__all__ = ["apply", "applied", "PATCHES"]
+
+PATCHES = ("triton_stub", "cpu_device_type", "cpu_memory_monitor", "gloo_fsdp_sum", "cpu_pg_timeouts")
+"""Names of the patches, in the order they are applied."""
+
+_applied: set[str] = set()
+
+
+def applied() -> frozenset[str]:
+    """Names of the patches active in this process."""
+    return frozenset(_applied)
+
+
+def apply() -> frozenset[str]:
+    """Apply the patches this machine needs (idempotent); return the active ones."""
+    if "triton_stub" not in _applied and importlib.util.find_spec("triton") is None:
+        _stub_moe_kernels()
+        _applied.add("triton_stub")
+    if not torch.cuda.is_available():
+        for name, fn in (
+            ("cpu_device_type", _cpu_device_type),
+            ("cpu_memory_monitor", _cpu_memory_monitor),
+            ("gloo_fsdp_sum", _gloo_fsdp_sum),
+            ("cpu_pg_timeouts", _cpu_pg_timeouts),
+        ):
+            if name not in _applied:
+                fn()
+                _applied.add(name)
+    return applied()
+
+
+# ---- 1. triton ---------------------------------------------------------------------------
+
+
+def _stub_moe_kernels() -> None:
+    """``torchtitan.models.moe.kernels`` does a top-level ``import triton``.
+
+    It is reached from every model through components/quantization/float8.py, so
+    without triton (any CPU wheel) ``import torchtitan.train`` fails with
+    ``ModuleNotFoundError: No module named 'triton'``. The two names the rest of
+    torchtitan imports from it are only used by MoE models with grouped GEMMs, so a
+    stub that raises on use is enough.
+    """
+    name = "torchtitan.models.moe.kernels"
+    if name in sys.modules:
+        return
+
+    def _unavailable(*args, **kwargs):
+        raise RuntimeError(f"{name} needs triton, which is not installed (stubbed by torchtitan_ext._compat)")
+
+    stub = types.ModuleType(name)
+    stub.__doc__ = "Stub installed by torchtitan_ext._compat: triton is not installed."
+    stub.generate_permute_indices = _unavailable
+    stub.fill_indices_wrapper = _unavailable
+    sys.modules[name] = stub
+
+
+# ---- 2. device type ----------------------------------------------------------------------
+
+
+def _cpu_device_type() -> None:
+    """torchtitan/tools/utils.py binds ``device_type = _get_available_device_type() or "cuda"``.
+
+    Without an accelerator that falls back to ``"cuda"`` and the trainer dies in
+    ``torch.cuda.set_device`` (``module 'torch._C' has no attribute
+    '_cuda_setDevice'``). Importing torchtitan.tools.utils while the probe answers
+    ``"cpu"`` makes torchtitan use ``torch.cpu`` and gloo (its
+    ``default_device_backend_map["cpu"]``). The probe is restored afterwards so the
+    rest of torch is unaffected.
+    """
+    mod = sys.modules.get("torchtitan.tools.utils")
+    if mod is not None:
+        if mod.device_type != "cpu":
+            raise RuntimeError(
+                "torchtitan was imported before torchtitan_ext._compat.apply() and bound "
+                f"device_type={mod.device_type!r}; call apply() before importing torchtitan"
+            )
+        return
+    import torch._utils as tu
+
+    probe = tu._get_available_device_type
+    tu._get_available_device_type = lambda: "cpu"
+    try:
+        import torchtitan.tools.utils  # noqa: F401  (binds device_type = "cpu")
+    finally:
+        tu._get_available_device_type = probe
+
+
+# ---- 3. memory monitor -------------------------------------------------------------------
+
+
+def _cpu_memory_monitor() -> None:
+    """torchtitan's ``DeviceMemoryMonitor`` calls CUDA-only functions on ``device_module``.
+
+    With ``device_module = torch.cpu`` it fails with ``module 'torch.cpu' has no
+    attribute 'get_device_name'``. CPU has no caching allocator to report on, so
+    the missing functions become no-ops (memory stats: empty, i.e. "unknown").
+    Existing attributes are never replaced.
+    """
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # physical RAM, for the "%" columns
+    except (ValueError, OSError, AttributeError):
+        total = 1
+    noops = {
+        "get_device_name": lambda device=None: "cpu",
+        "get_device_properties": lambda device=None: types.SimpleNamespace(total_memory=total),
+        "reset_peak_memory_stats": lambda device=None: None,
+        "empty_cache": lambda: None,
+        "memory_stats": lambda device=None: {},
+    }
+    for name, fn in noops.items():
+        if not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, fn)
+
+
+# ---- 4. FSDP on gloo ---------------------------------------------------------------------
+
+
+def _gloo_fsdp_sum() -> None:
+    """gloo has no ``ReduceOp.PREMUL_SUM``, which FSDP2 picks for a custom divide factor.
+
+    torchtitan's llama3 calls ``set_gradient_divide_factor(1.0)`` (the loss is
+    already divided by the global token count), and the reduce-scatter then fails
+    with ``Cannot use ReduceOp.PREMUL_SUM with Gloo``. Forcing FSDP's own
+    "sum reduction for comms" path on CPU gives the same result with plain SUM
+    (division by the factor, here 1, happens outside the collective).
+    """
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fc
+
+    original = fc._get_gradient_divide_factors
+
+    def _get_gradient_divide_factors(
+        reduce_scatter_group, all_reduce_group, reduce_dtype, device_type="", factor=None,
+        force_sum_reduction_for_comms=False,
+    ):  # fmt: skip
+        if device_type == "cpu":
+            force_sum_reduction_for_comms = True
+        return original(
+            reduce_scatter_group, all_reduce_group, reduce_dtype, device_type, factor, force_sum_reduction_for_comms
+        )
+
+    _get_gradient_divide_factors.__wrapped__ = original
+    fc._get_gradient_divide_factors = _get_gradient_divide_factors
+
+
+# ---- 5. process-group timeouts -----------------------------------------------------------
+
+
+def _cpu_pg_timeouts() -> None:
+    """``set_pg_timeouts`` (called after step 1) does ``barrier(device_ids=[current_device()])``.
+
+    With gloo that raises ``TypeError: ... Invoked with: BarrierOptions, ['cpu']``.
+    The replacement does the same thing with a plain ``barrier()``.
+    """
+    import torchtitan.distributed.utils as du
+
+    def set_pg_timeouts(timeout: timedelta, parallel_dims) -> None:
+        torch.distributed.barrier()
+        groups = [m.get_group() for m in parallel_dims.get_all_one_dimensional_meshes().values()] + [None]
+        for group in groups:
+            torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+
+    set_pg_timeouts.__wrapped__ = du.set_pg_timeouts
+    du.set_pg_timeouts = set_pg_timeouts

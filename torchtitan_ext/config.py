@@ -1,0 +1,114 @@
+"""The ``[core_attention]`` job-config section.
+
+Loaded by torchtitan's ``ConfigManager`` through ``[job] custom_config_module =
+"torchtitan_ext.config"`` (or ``--job.custom_config_module``); every field is
+then a TOML key under ``[core_attention]`` and a ``--core_attention.<key>`` flag.
+:func:`validate` checks the section against the job's parallelism at start-up.
+"""
+
+# No `from __future__ import annotations`: tyro resolves these field types after torchtitan
+# merges the dataclass into its JobConfig, outside this module's namespace.
+
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from distca.planner import POLICIES
+
+__all__ = ["CoreAttention", "JobConfig", "validate"]
+
+Policy = Literal["distca", "greedy", "per_doc_cp", "colocated"]
+Mode = Literal["resend", "keep"]
+
+
+@dataclass
+class CoreAttention:
+    enable: bool = False
+    """Run every attention layer's core attention through ``distca.core_attention``
+    (needs ``[model] converters = ["core_attention"]`` and the torchtitan_ext trainer)."""
+
+    degree: int = -1
+    """Ranks in the "ca" mesh dimension: each group of ``degree`` data-parallel ranks
+    shares one token stream of ``degree * seq_len`` tokens and balances its core
+    attention. -1: all data-parallel ranks. Must divide the data-parallel size."""
+
+    policy: Policy = "distca"
+    """Planner policy (``distca.plan``): "distca" (ours), "greedy" (the paper's
+    scheduler), "per_doc_cp" (per-document head-tail context parallelism) or
+    "colocated" (no rebalancing: every rank serves its own queries)."""
+
+    tolerance: float = 0.05
+    """Balancing tolerance epsilon in [0, 1): every server's modelled CA time ends
+    within (1 +- eps) of the mean."""
+
+    mode: Mode = "resend"
+    """"resend": attention servers keep nothing between forward and backward (the
+    paper's); "keep": servers keep what they received (fewer bytes, more memory)."""
+
+    backend: str = "auto"
+    """Attention kernel backend for ``distca.kernels`` ("auto": chosen per device)."""
+
+    min_shard: int = 128
+    """Smallest query shard in tokens the planner cuts (the kernel tile)."""
+
+    pingpong: bool = False
+    """Reserved: overlap one nano-batch's CA communication with the other's compute
+    (the paper's ping-pong). Not supported yet; must be false."""
+
+    cost_model: str = "auto"
+    """Planner time model: "cpu", "h200", a path to a JSON cost model, or "auto"
+    ("h200" when CUDA is available, else "cpu")."""
+
+
+@dataclass
+class JobConfig:
+    """Merged into torchtitan's JobConfig by ``ConfigManager`` (custom_config_module)."""
+
+    core_attention: CoreAttention = field(default_factory=CoreAttention)
+
+
+def validate(cfg: CoreAttention, *, dp_size: int, cp_degree: int = 1, tp_degree: int = 1, pp_degree: int = 1) -> int:
+    """Check ``[core_attention]`` against the job's parallelism; return the CA degree.
+
+    Args:
+        cfg: the section.
+        dp_size: data-parallel size (dp_replicate * dp_shard) of the job.
+        cp_degree, tp_degree, pp_degree: torchtitan's other parallel degrees.
+
+    Raises:
+        ValueError: with the offending key, its value, the rule and the remedy.
+    """
+    if cfg.policy not in POLICIES:
+        raise ValueError(
+            f"core_attention.policy={cfg.policy!r} is unknown; choose one of {list(get_args(Policy))}"
+        )
+    if cfg.mode not in get_args(Mode):
+        raise ValueError(f"core_attention.mode={cfg.mode!r} is unknown; choose one of {list(get_args(Mode))}")
+    if isinstance(cfg.tolerance, bool) or not isinstance(cfg.tolerance, (int, float)) or not 0 <= cfg.tolerance < 1:
+        raise ValueError(f"core_attention.tolerance={cfg.tolerance!r} must be a number in [0, 1)")
+    if isinstance(cfg.min_shard, bool) or not isinstance(cfg.min_shard, int) or cfg.min_shard < 1:
+        raise ValueError(f"core_attention.min_shard={cfg.min_shard!r} must be an int >= 1")
+    if cfg.pingpong:
+        raise ValueError(
+            "core_attention.pingpong=true is not supported yet (reserved for overlapping "
+            "CA communication with compute); set it to false"
+        )
+    if not cfg.enable:
+        return 1
+    if cp_degree > 1:
+        raise ValueError(
+            f"core_attention.enable=true cannot be combined with parallelism.context_parallel_degree={cp_degree}: "
+            "CAD already splits long documents across the ranks of its group; set "
+            "context_parallel_degree = 1 (and use core_attention.degree instead)"
+        )
+    if tp_degree > 1 or pp_degree > 1:
+        raise ValueError(
+            f"core_attention.enable=true supports data parallelism (FSDP/HSDP) only for now, got "
+            f"tensor_parallel_degree={tp_degree}, pipeline_parallel_degree={pp_degree}; set both to 1"
+        )
+    degree = dp_size if cfg.degree == -1 else cfg.degree
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1 or dp_size % degree:
+        raise ValueError(
+            f"core_attention.degree={cfg.degree} must divide the data-parallel size {dp_size} "
+            f"(valid: -1 or one of {[d for d in range(1, dp_size + 1) if dp_size % d == 0]})"
+        )
+    return degree

@@ -1,0 +1,347 @@
+"""The ``"core_attention"`` model converter: llama3 core attention through ``distca``.
+
+Enable it with::
+
+    [job]          custom_config_module = "torchtitan_ext.config"
+    [experimental] custom_import = "torchtitan_ext.converter"
+    [model]        converters = ["core_attention"]
+    [core_attention] enable = true
+
+What it does (on the meta-device model, before FSDP/AC/compile are applied):
+
+- builds the ``"ca"`` mesh dimension: the data-parallel ranks are cut into
+  groups of ``core_attention.degree`` consecutive ranks (``world_mesh`` unflattened
+  into ``("ca_outer", "ca")``); each group shares one token stream;
+- replaces every layer's ``attention.inner_attention`` (torchtitan's SDPA wrapper)
+  with :class:`CoreAttentionModule`, which calls ``distca.core_attention`` on this
+  rank's ``T`` rows with the step's plan;
+- makes the RoPE table long enough for in-document positions: a document can
+  span the whole group, so positions go up to ``degree * seq_len - 1``.
+
+RoPE positions: torchtitan 0.2.2's llama3 ``Transformer.forward(tokens,
+positions=...)`` already indexes ``freqs_cis`` by a ``positions`` tensor of
+shape [1, T]; the data loader yields in-document ``positions`` and the trainer
+passes them through unchanged, so no model code is wrapped for RoPE.
+
+The per-step plan reaches the attention modules through one shared
+:class:`StepContext` that the trainer (``torchtitan_ext.train``) finds with
+:func:`step_context` and fills once per step with :meth:`StepContext.prepare`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distca
+from distca.cost import CostModel, ModelShape, load_cost_model
+from torchtitan_ext.config import CoreAttention, validate
+
+__all__ = ["CoreAttentionConverter", "CoreAttentionModule", "StepContext", "build_ca_mesh", "step_context"]
+
+logger = logging.getLogger(__name__)
+
+CA_DIMS = ("ca_outer", "ca")
+
+
+@dataclass
+class StepStats:
+    """What one ``prepare`` planned, for logging."""
+
+    imbalance_colocated: float
+    """max/mean modelled CA time per server if every rank served its own queries."""
+    imbalance: float
+    """max/mean modelled CA time per server under the chosen policy."""
+    fwd_bytes: int
+    """Forward bytes over all pairs of the group, one layer (``Plan.traffic``)."""
+    bwd_bytes: int
+    """Backward bytes over all pairs of the group, one layer."""
+    max_server_bytes: int
+    """Max over ranks of forward bytes sent plus received, one layer."""
+    plan_seconds: float
+    """Wall time of ``distca.prepare`` on this rank (planning, agreement, metadata)."""
+    num_docs: int
+
+
+@dataclass(eq=False)
+class StepContext:
+    """Shared by every :class:`CoreAttentionModule` of a model; holds the step's plan.
+
+    The trainer calls :meth:`prepare` with the group's global ``cu_seqlens`` once
+    per micro-batch, before the forward; the modules read :attr:`plan`.
+    """
+
+    cfg: CoreAttention
+    mesh: "torch.distributed.device_mesh.DeviceMesh"
+    """The 2-D ("ca_outer", "ca") mesh; core attention runs over its "ca" dim."""
+    degree: int
+    shape: ModelShape | None = None
+    """Attention shape for the planner's bytes model (set by the converter)."""
+    cost_model: CostModel | None = None
+    plan: "distca.DispatchPlan | None" = None
+    stats: list[StepStats] = field(default_factory=list)
+    """One entry per ``prepare`` since the last :meth:`pop_stats`."""
+    attn_events: list[tuple[str, object, object]] = field(default_factory=list)
+    """(kind "fwd"/"bwd", start, end) clock marks of attention calls, eager only."""
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("ca")
+
+    def prepare(self, cu_seqlens: torch.Tensor) -> "distca.DispatchPlan":
+        """Plan this micro-batch's core attention (every rank of the group, same ``cu_seqlens``)."""
+        cu = torch.as_tensor(cu_seqlens).detach().reshape(-1).cpu()
+        kw = dict(
+            tolerance=self.cfg.tolerance, min_shard=self.cfg.min_shard,
+            shape=self.shape, cost_model=self.cost_model, mode=self.cfg.mode,
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        dp = distca.prepare(cu, self.mesh, policy=self.cfg.policy, **kw)
+        plan_s = time.perf_counter() - t0
+        p = dp.plan
+        base = p if self.cfg.policy == "colocated" else distca.plan(p.layout, "colocated", **kw)
+        self.stats.append(
+            StepStats(
+                imbalance_colocated=base.imbalance,
+                imbalance=p.imbalance,
+                fwd_bytes=p.traffic.total_bytes,
+                bwd_bytes=p.traffic.total_bwd_bytes,
+                max_server_bytes=p.traffic.max_server_bytes,
+                plan_seconds=plan_s,
+                num_docs=p.layout.num_docs,
+            )
+        )
+        self.plan = dp
+        return dp
+
+    def pop_stats(self) -> tuple[list[StepStats], float | None, float | None]:
+        """(plan stats, attention forward seconds, backward seconds) since the last call.
+
+        The times are None when nothing was timed (compiled models: the clock marks are
+        Python side effects that ``torch.compile`` does not run).
+        """
+        if not self.attn_events:
+            stats, self.stats = self.stats, []
+            return stats, None, None
+        fwd = bwd = 0.0
+        for kind, a, b in self.attn_events:
+            s = _elapsed(a, b)
+            if kind == "fwd":
+                fwd += s
+            else:
+                bwd += s
+        stats, self.stats, self.attn_events = self.stats, [], []
+        return stats, fwd, bwd
+
+
+# ---- timing (eager only) -------------------------------------------------------------------
+
+
+def _now(device: torch.device):
+    """A clock mark: host time on CPU, a recorded CUDA event on GPU (read at step end)."""
+    if device.type == "cuda":
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def _elapsed(a, b) -> float:
+    if isinstance(a, float):
+        return b - a
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
+class _BackwardEnd(torch.autograd.Function):
+    """Identity on (q, k, v); its backward runs after core attention's backward."""
+
+    @staticmethod
+    def forward(ctx, box, q, k, v):
+        ctx.box = box
+        return q.view_as(q), k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        ctx.box["end"] = _now(dq.device)
+        ctx.box["ctx"].attn_events.append(("bwd", ctx.box["start"], ctx.box["end"]))
+        return None, dq, dk, dv
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity on the output; its backward runs just before core attention's backward."""
+
+    @staticmethod
+    def forward(ctx, box, out):
+        ctx.box = box
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, dout):
+        ctx.box["start"] = _now(dout.device)
+        return None, dout
+
+
+# ---- the module ----------------------------------------------------------------------------
+
+
+class CoreAttentionModule(nn.Module):
+    """Drop-in for torchtitan's ``ScaledDotProductAttentionWrapper`` that runs ``distca.core_attention``.
+
+    ``forward(q, k, v, *, scale=None, enable_gqa=False, is_causal=True)`` with
+    torchtitan's layout q: (1, Hq, T, D), k, v: (1, Hkv, T, D) after RoPE; returns
+    (1, Hq, T, D). The local batch is one row of T tokens: this rank's slice of
+    the CA group's stream (the CAD layout). Attention is causal within the
+    documents of the group's ``cu_seqlens``; GQA is handled by distca itself.
+    """
+
+    def __init__(self, context: StepContext) -> None:
+        super().__init__()
+        self.context = context
+
+    def forward(self, q, k, v, *, scale=None, enable_gqa=False, is_causal=True):
+        if not is_causal:
+            raise ValueError("core_attention is causal-only; got is_causal=False")
+        if q.shape[0] != 1:
+            raise ValueError(
+                f"core_attention needs one sequence per rank (training.local_batch_size = 1), got batch {q.shape[0]}: "
+                "each rank's T tokens are its slice of the CA group's token stream"
+            )
+        ctx = self.context
+        if ctx.plan is None:
+            raise RuntimeError(
+                "core_attention has no plan for this step: run training with `python -m torchtitan_ext.train`, "
+                "whose trainer calls StepContext.prepare(cu_seqlens) before every forward"
+            )
+        qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))  # [T, H, D]
+        backend = None if ctx.cfg.backend == "auto" else ctx.cfg.backend
+        timed = not torch.compiler.is_compiling() and torch.is_grad_enabled()
+        if timed:
+            box = {"ctx": ctx}
+            qt, kt, vt = _BackwardEnd.apply(box, qt, kt, vt)
+            t0 = _now(q.device)
+        plan = ctx.plan.handle if torch.compiler.is_compiling() else ctx.plan
+        out = distca.core_attention(
+            qt, kt, vt, None, group=ctx.group, plan=plan, softmax_scale=scale, mode=ctx.cfg.mode, backend=backend
+        )  # [T, Hq, D]
+        if timed:
+            ctx.attn_events.append(("fwd", t0, _now(q.device)))
+            out = _BackwardStart.apply(box, out)
+        return out.transpose(0, 1).unsqueeze(0)  # (1, Hq, T, D)
+
+
+# ---- mesh and converter ----------------------------------------------------------------------
+
+
+def build_ca_mesh(parallel_dims, degree: int):
+    """Unflatten torchtitan's 1-D world mesh into ("ca_outer", "ca") with "ca" of size ``degree``.
+
+    torchtitan 0.2.2's ``ParallelDims`` has a fixed set of dimensions and no hook
+    for another one, so the CA dimension is carved from its world mesh the same
+    way torchtitan carves its own (``DeviceMesh._unflatten``). Ranks ``[g*degree,
+    (g+1)*degree)`` form CA group ``g``; with data parallelism only (checked by
+    :func:`torchtitan_ext.config.validate`) these are consecutive batch ranks.
+    """
+    world = parallel_dims.world_mesh
+    W = world.size()
+    override = {"ca_outer": "fake"} if W // degree == 1 else {}
+    return world._unflatten(0, (W // degree, degree), CA_DIMS, backend_override=override)
+
+
+def _dp_size(parallel_dims) -> int:
+    return parallel_dims.dp_replicate * parallel_dims.dp_shard
+
+
+class CoreAttentionConverter:
+    """torchtitan ``ModelConverter`` registered as ``"core_attention"``.
+
+    A no-op when ``core_attention.enable`` is false, so a config can keep the
+    converter listed and switch CAD with ``--core_attention.enable``.
+    """
+
+    def __init__(self, job_config, parallel_dims) -> None:
+        cfg = getattr(job_config, "core_attention", None)
+        if cfg is None:
+            raise ValueError(
+                'the "core_attention" converter needs the [core_attention] config section: '
+                'set [job] custom_config_module = "torchtitan_ext.config"'
+            )
+        p = job_config.parallelism
+        degree = validate(
+            cfg, dp_size=_dp_size(parallel_dims), cp_degree=p.context_parallel_degree,
+            tp_degree=p.tensor_parallel_degree, pp_degree=p.pipeline_parallel_degree,
+        )  # fmt: skip
+        self.job_config = job_config
+        self.context: StepContext | None = None
+        if not cfg.enable:
+            return
+        if job_config.training.local_batch_size != 1:
+            raise ValueError(
+                f"core_attention.enable=true needs training.local_batch_size = 1, got "
+                f"{job_config.training.local_batch_size}: each rank holds one row of seq_len tokens of its "
+                "CA group's stream (use gradient accumulation via training.global_batch_size for larger batches)"
+            )
+        if cfg.mode == "keep" and job_config.activation_checkpoint.mode != "none":
+            # Recomputation runs the forward twice; in "keep" mode every forward stashes its
+            # server tensors until its backward, and the first forward's never has one.
+            raise ValueError(
+                f'core_attention.mode="keep" cannot be combined with activation_checkpoint.mode='
+                f'"{job_config.activation_checkpoint.mode}" (recomputed forwards would leave server '
+                'tensors stashed); use mode="resend" or activation_checkpoint.mode="none"'
+            )
+        name = cfg.cost_model
+        if name == "auto":
+            name = "h200" if torch.cuda.is_available() else "cpu"
+        self.context = StepContext(cfg=cfg, mesh=build_ca_mesh(parallel_dims, degree), degree=degree)
+        self.context.cost_model = load_cost_model(name)
+
+    def convert(self, model: nn.Module) -> None:
+        if self.context is None:
+            return
+        args = model.model_args
+        if getattr(args, "attn_type", "sdpa") != "sdpa":
+            raise ValueError(
+                f"the core_attention converter replaces SDPA attention; got model attn_type={args.attn_type!r} "
+                "(use a flavor without _flex_attn/_varlen_attn: distca does the document masking)"
+            )
+        n_kv = args.n_kv_heads or args.n_heads
+        dtype_bytes = 2 if self.job_config.training.mixed_precision_param == "bfloat16" else 4
+        self.context.shape = ModelShape(args.n_heads, n_kv, args.dim // args.n_heads, dtype_bytes)
+        # In-document positions reach degree * seq_len - 1 (a document spanning the group);
+        # init_weights() recomputes freqs_cis from max_seq_len after this.
+        args.max_seq_len = max(args.max_seq_len, self.context.degree * self.job_config.training.seq_len)
+        n = 0
+        for block in model.layers.values():
+            block.attention.inner_attention = CoreAttentionModule(self.context)
+            n += 1
+        logger.info(
+            "core_attention: %d attention layers use distca (CA group of %d ranks, policy %s, mode %s)",
+            n, self.context.degree, self.context.cfg.policy, self.context.cfg.mode,
+        )  # fmt: skip
+
+    def post_optimizer_hook(self, model) -> None:
+        pass
+
+
+def step_context(model_parts: list[nn.Module]) -> StepContext | None:
+    """The :class:`StepContext` shared by the converted attention modules (None: not converted)."""
+    for part in model_parts:
+        for m in part.modules():
+            if isinstance(m, CoreAttentionModule):
+                return m.context
+    return None
+
+
+def _register() -> None:
+    from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
+
+    if "core_attention" not in _registry_model_converter_cls:
+        register_model_converter(CoreAttentionConverter, "core_attention")
+
+
+_register()

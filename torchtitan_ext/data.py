@@ -1,0 +1,491 @@
+"""CA-group-aware packed data loading for the torchtitan extension.
+
+The ``R = ca_degree`` ranks of one CA group read consecutive windows of ONE document stream.
+Each step the group takes the next ``R * T`` tokens of its stream (``T = seq_len``); rank ``r``
+gets stream tokens ``[r * T, (r + 1) * T)`` of that window. Different CA groups read disjoint
+(``"stdlib"``) or independently seeded (``"synthetic_*"``) streams.
+
+Cut rule (see ``docs/data.md``):
+    * Documents are packed back to back; a document may cross any rank boundary inside the
+      window (the CA attention sees it whole: ``cu_seqlens`` is the group's GLOBAL layout).
+    * A document that does not fit in the rest of the window is cut at the window end; its
+      remainder opens the next step's window as a NEW sequence: ``cu_seqlens`` starts a
+      piece there and its ``positions`` restart at 0 (attention cannot see the previous step,
+      so RoPE positions follow the piece, exactly ``distca.Layout(cu_seqlens).positions``).
+    * Labels are the next token of the same document. The last token of a document gets
+      ``IGNORE_INDEX`` (-100): nothing leaks across documents. The last token of a window
+      whose document continues into the next step gets the document's real next token (the
+      first token of the next window), so every in-document transition is trained exactly
+      once and no token is dropped.
+
+Shape legend: R ranks in the CA group, T tokens per rank (``seq_len``), N document pieces in
+one window.
+
+Public surface:
+    ``build_ca_dataloader``   torchtitan-style builder (``ParallelAwareDataloader``)
+    ``CAPackedDataset``       the stateful iterable dataset (DCP checkpoint/resume)
+    ``group_window``          pure: one step's global window of a group's stream
+    ``rank_batch``            slice a window into one rank's ``(input_dict, labels)``
+    ``make_stream``           a source's document stream for one CA group
+    ``TOKENIZER_PATH``        the shipped offline tokenizer (``assets/tokenizer``)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple, Protocol
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import IterableDataset
+
+from distca.doclens import load_doclens
+
+__all__ = [
+    # constants
+    "DATASETS",
+    "IGNORE_INDEX",
+    "TOKENIZER_PATH",
+    # streams
+    "DocStream",
+    "StdlibStream",
+    "SyntheticStream",
+    "auto_scale",
+    "make_stream",
+    "stdlib_files",
+    # windows
+    "StreamState",
+    "GroupWindow",
+    "group_window",
+    "rank_batch",
+    # torchtitan
+    "CAPackedDataset",
+    "build_ca_dataloader",
+    "load_tokenizer",
+]
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+"""Label of a token whose next token is not in its document (torchtitan's cross-entropy ignore index)."""
+
+TOKENIZER_PATH = Path(__file__).resolve().parent / "assets" / "tokenizer"
+"""Directory of the shipped byte-level BPE tokenizer (``tokenizer.json`` + ``tokenizer_config.json``);
+built by ``scripts/build_tokenizer.py``. Pass it as torchtitan's ``model.hf_assets_path``."""
+
+DATASETS = ("stdlib", "synthetic_pretrain", "synthetic_prolong")
+"""Valid ``job_config.training.dataset`` names."""
+
+# Directories of the stdlib tree that are not the standard library's own modules: installed
+# third-party packages (pyenv/system Pythons keep site-packages under the stdlib path) and the
+# regression tests (deliberately malformed encodings, huge generated data files).
+_STDLIB_EXCLUDE = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+
+
+# ---- document streams -----------------------------------------------------------------------
+
+
+class DocStream(Protocol):
+    """A deterministic, infinite sequence of documents for ONE CA group.
+
+    ``doc(i)`` returns the ``i``-th document's token ids (int64 [L], L >= 1); the same ``i``
+    always gives the same tokens, so a stream position is just ``(doc, offset)``.
+    """
+
+    name: str
+
+    def doc(self, index: int) -> np.ndarray: ...
+
+
+def stdlib_files(root: str | Path | None = None) -> list[Path]:
+    """The standard library's own non-empty ``*.py`` files, sorted by relative POSIX path.
+
+    ``root`` defaults to ``sysconfig.get_paths()["stdlib"]``. Skips ``site-packages``,
+    ``dist-packages`` and test directories (see ``_STDLIB_EXCLUDE``) and empty files. The list
+    depends on the Python build (3.11.7 here: 731 files, 12.1 MB).
+    """
+    base = Path(root if root is not None else sysconfig.get_paths()["stdlib"])
+    if not base.is_dir():
+        raise ValueError(f"stdlib root must be a directory, got {str(base)!r}")
+    files = []
+    for d, dirs, names in os.walk(base):
+        dirs[:] = [x for x in dirs if x not in _STDLIB_EXCLUDE]  # prune: site-packages is big
+        files += [Path(d, n) for n in names if n.endswith(".py") and os.path.getsize(os.path.join(d, n)) > 0]
+    return sorted(files, key=lambda p: p.relative_to(base).as_posix())
+
+
+def _read_text(path: Path) -> str:
+    # Byte-level BPE round-trips any text; "replace" keeps the few latin-1 files deterministic.
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+@dataclass
+class StdlibStream:
+    """Real text: the stdlib's ``.py`` files as documents, shuffled per epoch, sharded by group.
+
+    Epoch ``e`` orders all files by ``default_rng([seed, e]).permutation``; group ``g`` of
+    ``num_groups`` takes every ``num_groups``-th file of that order starting at ``g`` (disjoint
+    shards, equal for all ranks of a group), then the next epoch follows (cycled). Each file
+    is tokenized lazily as ``[BOS] + tokens + [EOS]`` and cached (int32).
+    """
+
+    tokenizer: Any
+    """Object with torchtitan's ``encode(text, add_bos=..., add_eos=...) -> list[int]``."""
+    group: int = 0
+    num_groups: int = 1
+    seed: int = 0
+    root: str | None = None
+    """Stdlib directory; None: ``sysconfig.get_paths()["stdlib"]``."""
+    name: str = "stdlib"
+    _files: list[Path] = field(init=False, repr=False)
+    _cache: dict[int, np.ndarray] = field(init=False, repr=False, default_factory=dict)
+    _perms: dict[int, np.ndarray] = field(init=False, repr=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_group(self.group, self.num_groups)
+        files = stdlib_files(self.root)
+        if len(files) < self.num_groups:
+            raise ValueError(
+                f"stdlib has {len(files)} non-empty files, fewer than num_groups={self.num_groups}; "
+                f"use fewer CA groups or a synthetic dataset"
+            )
+        self._files = files
+        # Every epoch gives each group the same number of files (the remainder is dropped).
+        self.per_epoch = len(files) // self.num_groups
+
+    @property
+    def num_files(self) -> int:
+        return len(self._files)
+
+    def file_index(self, index: int) -> int:
+        """Which file (in ``stdlib_files`` order) is this group's ``index``-th document."""
+        epoch, i = divmod(int(index), self.per_epoch)
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(len(self._files))
+            self._perms = {epoch: perm}  # one epoch at a time: the stream only moves forward
+        return int(perm[i * self.num_groups + self.group])
+
+    def doc(self, index: int) -> np.ndarray:
+        f = self.file_index(index)
+        toks = self._cache.get(f)
+        if toks is None:
+            ids = self.tokenizer.encode(_read_text(self._files[f]), add_bos=True, add_eos=True)
+            toks = np.asarray(ids, dtype=np.int32)
+            self._cache[f] = toks
+        return toks.astype(np.int64)
+
+
+@dataclass
+class SyntheticStream:
+    """Random token ids whose document lengths follow a ``distca.doclens`` distribution.
+
+    Document ``i`` uses ``default_rng([seed, group, i])``: its length is a uniform draw from the
+    distribution's pool times ``scale`` (rounded, at least 1), its tokens are uniform in
+    ``[0, vocab_size)``. Groups get independent streams (the group index is in the seed).
+    """
+
+    distribution: str
+    """``"pretrain"`` or ``"prolong"`` (``distca.doclens.DISTRIBUTIONS``) or a JSON path."""
+    vocab_size: int = 2048
+    group: int = 0
+    num_groups: int = 1
+    seed: int = 0
+    scale: float = 1.0
+    """Length multiplier; shrink long-context distributions to fit small CPU runs."""
+    name: str = ""
+    pool: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_group(self.group, self.num_groups)
+        if not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"scale must be a finite number > 0, got {self.scale!r}")
+        if self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+        self.pool = load_doclens(self.distribution)
+        self.name = self.name or f"synthetic_{self.distribution}"
+
+    def doc(self, index: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.group, int(index)])
+        length = max(1, int(round(float(self.pool[rng.integers(self.pool.size)]) * self.scale)))
+        return rng.integers(0, self.vocab_size, size=length, dtype=np.int64)
+
+
+def _check_group(group: int, num_groups: int) -> None:
+    if num_groups < 1:
+        raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+    if not 0 <= group < num_groups:
+        raise ValueError(f"group must be in [0, num_groups={num_groups}), got {group}")
+
+
+def auto_scale(distribution: str, window_tokens: int) -> float:
+    """Scale that maps the distribution's longest document to ``window_tokens`` (at most 1.0)."""
+    return min(1.0, window_tokens / float(load_doclens(distribution).max()))
+
+
+def make_stream(
+    name: str,
+    *,
+    tokenizer: Any = None,
+    group: int = 0,
+    num_groups: int = 1,
+    seed: int = 0,
+    window_tokens: int | None = None,
+    doc_scale: float | str = "auto",
+    vocab_size: int | None = None,
+) -> DocStream:
+    """The document stream of dataset ``name`` (one of ``DATASETS``) for CA group ``group``.
+
+    Args:
+        tokenizer: required for ``"stdlib"`` (torchtitan ``HuggingFaceTokenizer``).
+        window_tokens: ``R * T``; needed by ``doc_scale="auto"``.
+        doc_scale: synthetic length multiplier, or ``"auto"``: the longest document of the
+            distribution becomes ``window_tokens`` long (never scaled up).
+        vocab_size: synthetic token-id range; default the tokenizer's vocabulary or 2048.
+    """
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset name={name!r}; valid names: {list(DATASETS)}")
+    if name == "stdlib":
+        if tokenizer is None:
+            raise ValueError("dataset 'stdlib' needs a tokenizer; pass tokenizer=load_tokenizer()")
+        return StdlibStream(tokenizer, group=group, num_groups=num_groups, seed=seed)
+    dist = name.removeprefix("synthetic_")
+    if doc_scale == "auto":
+        if window_tokens is None:
+            raise ValueError("doc_scale='auto' needs window_tokens (= ca_degree * seq_len)")
+        scale = auto_scale(dist, window_tokens)
+    elif isinstance(doc_scale, str):
+        raise ValueError(f"doc_scale must be a number > 0 or 'auto', got {doc_scale!r}")
+    else:
+        scale = float(doc_scale)
+    if vocab_size is None:
+        vocab_size = tokenizer.get_vocab_size() if tokenizer is not None else 2048
+    return SyntheticStream(dist, vocab_size=vocab_size, group=group, num_groups=num_groups, seed=seed, scale=scale)
+
+
+# ---- windows --------------------------------------------------------------------------------
+
+
+class StreamState(NamedTuple):
+    """Position in a group's stream: the next unread token is ``doc(doc)[offset]``."""
+
+    doc: int = 0
+    offset: int = 0
+
+
+class GroupWindow(NamedTuple):
+    """One step of one CA group: ``R * T`` stream tokens, all int64 CPU tensors."""
+
+    tokens: torch.Tensor
+    """[R * T] token ids, rank r holds [r*T, (r+1)*T)."""
+    labels: torch.Tensor
+    """[R * T] next token of the same document, ``IGNORE_INDEX`` at a document's last token."""
+    positions: torch.Tensor
+    """[R * T] position inside the document piece (0 at every ``cu_seqlens`` entry)."""
+    cu_seqlens: torch.Tensor
+    """[N + 1] piece boundaries, 0 .. R * T, strictly increasing (``distca.Layout`` input)."""
+    next_state: StreamState
+    """Where the next window starts."""
+
+
+def group_window(stream: DocStream, state: StreamState, ranks: int, tokens_per_rank: int) -> GroupWindow:
+    """Pack the next ``ranks * tokens_per_rank`` tokens of ``stream`` from ``state`` (pure).
+
+    See the module docstring for the cut and label rules.
+    """
+    for arg, v in (("ranks", ranks), ("tokens_per_rank", tokens_per_rank)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{arg} must be an integer >= 1, got {v!r}")
+    doc_i, off = int(state.doc), int(state.offset)
+    total = ranks * tokens_per_rank
+    toks = np.empty(total, dtype=np.int64)
+    labels = np.full(total, IGNORE_INDEX, dtype=np.int64)
+    cu = [0]
+    pos = 0
+    while pos < total:
+        d = stream.doc(doc_i)
+        if not 0 <= off < d.size:
+            raise ValueError(f"state offset {off} outside document {doc_i} of length {d.size}")
+        n = min(d.size - off, total - pos)
+        toks[pos : pos + n] = d[off : off + n]
+        # Next token of the same document; it exists for all but the document's last token.
+        m = min(n, d.size - off - 1)
+        labels[pos : pos + m] = d[off + 1 : off + 1 + m]
+        pos += n
+        cu.append(pos)
+        off += n
+        if off == d.size:
+            doc_i, off = doc_i + 1, 0
+    cu_t = torch.tensor(cu, dtype=torch.int64)
+    starts = np.repeat(np.asarray(cu[:-1], dtype=np.int64), np.diff(cu))
+    positions = np.arange(total, dtype=np.int64) - starts
+    return GroupWindow(
+        torch.from_numpy(toks),
+        torch.from_numpy(labels),
+        torch.from_numpy(positions),
+        cu_t,
+        StreamState(doc_i, off),
+    )
+
+
+def rank_batch(window: GroupWindow, ca_rank: int, tokens_per_rank: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Rank ``ca_rank``'s torchtitan batch: ``({"input", "positions": [1, T], "cu_seqlens": [N+1]}, labels [1, T])``."""
+    T = tokens_per_rank
+    R = window.tokens.numel() // T
+    if not 0 <= ca_rank < R or R * T != window.tokens.numel():
+        raise ValueError(f"ca_rank must be in [0, {R}) and tokens_per_rank divide the window, got {ca_rank=}, {T=}")
+    sl = slice(ca_rank * T, (ca_rank + 1) * T)
+    input_dict = {
+        "input": window.tokens[sl].unsqueeze(0),  # [1, T]
+        "positions": window.positions[sl].unsqueeze(0),  # [1, T]
+        "cu_seqlens": window.cu_seqlens.clone(),  # [N + 1], global, identical on the group
+    }
+    return input_dict, window.labels[sl].unsqueeze(0)  # [1, T]
+
+
+# ---- torchtitan dataset / dataloader ---------------------------------------------------------
+
+
+class CAPackedDataset(IterableDataset, Stateful):
+    """Stateful iterable of one rank's ``(input_dict, labels)``, one item per training step.
+
+    Infinite. The checkpointed state is the group's ``StreamState`` plus the identity of the
+    stream; loading a state from a different dataset/seed/group/shape raises (no resharding).
+    """
+
+    def __init__(self, stream: DocStream, *, group: int, ca_rank: int, ca_degree: int, seq_len: int, seed: int = 0):
+        for arg, v in (("ca_degree", ca_degree), ("seq_len", seq_len)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{arg} must be an integer >= 1, got {v!r}")
+        if not 0 <= ca_rank < ca_degree:
+            raise ValueError(f"ca_rank must be in [0, ca_degree={ca_degree}), got {ca_rank}")
+        self.stream = stream
+        self.group, self.ca_rank, self.ca_degree, self.seq_len, self.seed = group, ca_rank, ca_degree, seq_len, seed
+        self._state = StreamState()
+        self._step = 0
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "dataset": self.stream.name,
+            "doc_scale": float(getattr(self.stream, "scale", 1.0)),
+            "seed": self.seed,
+            "group": self.group,
+            "ca_degree": self.ca_degree,
+            "seq_len": self.seq_len,
+        }
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        while True:
+            w = group_window(self.stream, self._state, self.ca_degree, self.seq_len)
+            # Advance before yielding: a state_dict taken after this item resumes at the next one.
+            self._state = w.next_state
+            self._step += 1
+            yield rank_batch(w, self.ca_rank, self.seq_len)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"doc": self._state.doc, "offset": self._state.offset, "step": self._step, **self._identity()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        mine = self._identity()
+        diff = {k: (state_dict.get(k), v) for k, v in mine.items() if state_dict.get(k) != v}
+        if diff:
+            raise ValueError(
+                f"data checkpoint does not match this loader (saved, current): {diff}; "
+                f"resharding or changing the dataset/seed/seq_len on resume is not supported"
+            )
+        self._state = StreamState(int(state_dict["doc"]), int(state_dict["offset"]))
+        self._step = int(state_dict["step"])
+
+
+def load_tokenizer(path: str | Path = TOKENIZER_PATH):
+    """torchtitan's ``HuggingFaceTokenizer`` on the shipped tokenizer (imports torchtitan)."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    return HuggingFaceTokenizer(tokenizer_path=str(path))
+
+
+def build_ca_dataloader(
+    job_config: Any,
+    tokenizer: Any,
+    dp_rank: int,
+    dp_world: int,
+    ca_rank: int,
+    ca_degree: int,
+    seq_len: int,
+    *,
+    seed: int = 0,
+    doc_scale: float | str = "auto",
+):
+    """torchtitan ``ParallelAwareDataloader`` over a ``CAPackedDataset`` for this rank.
+
+    Rank convention: ``dp_rank`` in ``[0, dp_world)`` counts every rank that holds its own
+    tokens (torchtitan's batch rank); the CA group is its innermost ``ca_degree`` block:
+    ``group = dp_rank // ca_degree`` and ``ca_rank`` must equal ``dp_rank % ca_degree``.
+
+    Args:
+        job_config: torchtitan ``JobConfig``; reads ``training.dataset``,
+            ``training.local_batch_size`` (must be 1: one item is the rank's T tokens) and
+            ``training.dataloader`` (``num_workers`` must be 0: the stream is sequential).
+        tokenizer: torchtitan tokenizer (required for ``"stdlib"``; gives the synthetic vocab).
+        seq_len: T, tokens per rank per step.
+        seed: shuffling (stdlib) / generation (synthetic) seed; every rank must pass the same.
+        doc_scale: synthetic document-length multiplier or ``"auto"`` (see ``make_stream``).
+    """
+    from dataclasses import asdict
+
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    for arg, v in (("dp_world", dp_world), ("ca_degree", ca_degree), ("seq_len", seq_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{arg} must be an integer >= 1, got {v!r}")
+    if dp_world % ca_degree:
+        raise ValueError(
+            f"ca_degree must divide dp_world, got {ca_degree=}, {dp_world=}; each CA group is "
+            f"ca_degree consecutive data-parallel ranks"
+        )
+    if not 0 <= dp_rank < dp_world:
+        raise ValueError(f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
+    if ca_rank != dp_rank % ca_degree:
+        raise ValueError(
+            f"ca_rank must be dp_rank % ca_degree = {dp_rank % ca_degree}, got {ca_rank=} "
+            f"({dp_rank=}, {ca_degree=}); the CA group must be the innermost block of the batch ranks"
+        )
+    training = job_config.training
+    name = training.dataset
+    if name not in DATASETS:
+        raise ValueError(f"unknown training.dataset={name!r}; valid names: {list(DATASETS)}")
+    if training.local_batch_size != 1:
+        raise ValueError(
+            f"training.local_batch_size must be 1 with the CA loader (each item is the rank's "
+            f"[1, seq_len] slice of its CA group's window), got {training.local_batch_size}"
+        )
+    loader_kwargs = asdict(training.dataloader)
+    if loader_kwargs.get("num_workers", 0):
+        raise ValueError(
+            f"training.dataloader.num_workers must be 0 with the CA loader (one sequential stream "
+            f"per rank), got {loader_kwargs['num_workers']}"
+        )
+    group, num_groups = dp_rank // ca_degree, dp_world // ca_degree
+    stream = make_stream(
+        name,
+        tokenizer=tokenizer,
+        group=group,
+        num_groups=num_groups,
+        seed=seed,
+        window_tokens=ca_degree * seq_len,
+        doc_scale=doc_scale,
+    )
+    ds = CAPackedDataset(stream, group=group, ca_rank=ca_rank, ca_degree=ca_degree, seq_len=seq_len, seed=seed)
+    logger.info(
+        "CA loader: dataset=%s group=%d/%d ca_rank=%d/%d seq_len=%d seed=%d",
+        name, group, num_groups, ca_rank, ca_degree, seq_len, seed,
+    )
+    # batch_size=None: items are already [1, T]; cu_seqlens differs in length per step.
+    loader_kwargs["batch_size"] = None
+    return ParallelAwareDataloader(ds, dp_rank=dp_rank, dp_world_size=dp_world, **loader_kwargs)

@@ -1,0 +1,211 @@
+"""Launcher: torchtitan 0.2.2's trainer with core attention disaggregation.
+
+    torchrun --nproc_per_node 2 -m torchtitan_ext.train --job.config_file train_configs/debug_cpu.toml
+
+Compared with ``python -m torchtitan.train`` it
+
+1. applies :mod:`torchtitan_ext._compat` (CPU start-up patches) before torchtitan is imported;
+2. registers the TrainSpec ``"llama3_ca"``: torchtitan's llama3 with a data loader that serves
+   the datasets of :mod:`torchtitan_ext.data` (``stdlib``, ``synthetic_pretrain``,
+   ``synthetic_prolong``) laid out for CA groups; other datasets go to torchtitan's loader;
+3. runs :class:`CoreAttentionTrainer`, which plans every step's core attention once, before the
+   forward, and logs the plan (CA imbalance, bytes, plan time) and the attention time.
+"""
+
+from __future__ import annotations
+
+# torchtitan binds its device type when first imported, so the patches come first.
+from torchtitan_ext import _compat
+
+_compat.apply()
+
+import dataclasses  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torchtitan.hf_datasets.text_datasets import build_text_dataloader  # noqa: E402
+from torchtitan.protocols import train_spec as ts  # noqa: E402
+from torchtitan.tools.logging import logger  # noqa: E402
+from torchtitan.train import Trainer, main  # noqa: E402
+
+from torchtitan_ext import data  # noqa: E402
+from torchtitan_ext.config import validate  # noqa: E402
+from torchtitan_ext.converter import step_context  # noqa: E402
+
+__all__ = ["CoreAttentionTrainer", "build_dataloader", "register_train_spec", "TRAIN_SPEC"]
+
+TRAIN_SPEC = "llama3_ca"
+"""``[model] name`` of torchtitan's llama3 with the CA-aware data loader."""
+
+_MiB = 1 << 20
+
+
+def _ca_degree(job_config, dp_world_size: int) -> int:
+    """CA degree of the job (1 when core attention is off), validating the section."""
+    cfg = getattr(job_config, "core_attention", None)
+    if cfg is None:
+        return 1
+    p = job_config.parallelism
+    return validate(
+        cfg, dp_size=dp_world_size, cp_degree=p.context_parallel_degree,
+        tp_degree=p.tensor_parallel_degree, pp_degree=p.pipeline_parallel_degree,
+    )  # fmt: skip
+
+
+def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **kwargs):
+    """TrainSpec ``build_dataloader_fn``: the CA loader for torchtitan_ext datasets.
+
+    A CA group is ``degree`` consecutive batch ranks (``torchtitan_ext.converter.build_ca_mesh``),
+    so this rank's CA rank is ``dp_rank % degree``. With core attention off every rank is its
+    own group of 1 (same documents and packing, no cross-rank documents).
+    """
+    if job_config.training.dataset not in data.DATASETS:
+        return build_text_dataloader(dp_world_size, dp_rank, tokenizer, job_config, **kwargs)
+    degree = _ca_degree(job_config, dp_world_size)
+    seed = job_config.debug.seed if job_config.debug.seed is not None else 0
+    return data.build_ca_dataloader(
+        job_config, tokenizer, dp_rank, dp_world_size, dp_rank % degree, degree, job_config.training.seq_len,
+        seed=seed,
+    )  # fmt: skip
+
+
+def register_train_spec() -> None:
+    """Register ``"llama3_ca"`` (idempotent)."""
+    if TRAIN_SPEC not in ts._extra_train_specs:
+        ts.register_train_spec(
+            TRAIN_SPEC, dataclasses.replace(ts.get_train_spec("llama3"), build_dataloader_fn=build_dataloader)
+        )
+
+
+@dataclasses.dataclass
+class _RunStats:
+    """Per-step CA numbers collected for the end-of-run summary."""
+
+    step_seconds: list[float] = dataclasses.field(default_factory=list)
+    rows: list[dict[str, float]] = dataclasses.field(default_factory=list)
+
+
+class CoreAttentionTrainer(Trainer):
+    """torchtitan's Trainer plus: the step's CA plan before the forward, and CA metrics.
+
+    With core attention off it only drops the loader's extra keys (``positions``,
+    ``cu_seqlens``), so the model runs exactly as upstream torchtitan's.
+    """
+
+    def __init__(self, job_config) -> None:
+        cfg = getattr(job_config, "core_attention", None)
+        if cfg is not None and cfg.enable:
+            if job_config.model.name != TRAIN_SPEC:
+                raise ValueError(
+                    f"core_attention.enable=true needs [model] name = {TRAIN_SPEC!r} (llama3 with the CA-aware "
+                    f"data loader), got {job_config.model.name!r}"
+                )
+            if "core_attention" not in job_config.model.converters:
+                raise ValueError(
+                    'core_attention.enable=true needs the converter: set [model] converters = ["core_attention"] '
+                    'and [experimental] custom_import = "torchtitan_ext.converter"'
+                )
+            if job_config.training.dataset not in data.DATASETS:
+                raise ValueError(
+                    f"core_attention.enable=true needs a CA-aware dataset (document boundaries per step); "
+                    f"training.dataset={job_config.training.dataset!r} is not one of {list(data.DATASETS)}"
+                )
+        super().__init__(job_config)
+        self.ca = step_context(self.model_parts)
+        self.run_stats = _RunStats()
+
+    def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
+        input_dict = dict(input_dict)
+        cu_seqlens = input_dict.pop("cu_seqlens", None)
+        if self.ca is None:
+            # Upstream behaviour: plain causal attention over the row, positions 0..T-1.
+            input_dict.pop("positions", None)
+        else:
+            # positions stay in input_dict: llama3's forward(tokens, positions=...) indexes RoPE by them.
+            self.ca.prepare(cu_seqlens)
+        return super().post_dataloading_process(input_dict, labels)
+
+    def train_step(self, data_iterator) -> None:
+        t0 = time.perf_counter()
+        super().train_step(data_iterator)
+        self.run_stats.step_seconds.append(time.perf_counter() - t0)
+        if self.ca is None:
+            return
+        stats, fwd_s, bwd_s = self.ca.pop_stats()
+        n_layers = self.model_args.n_layers
+        row = {
+            "ca/imbalance_colocated": float(np.mean([s.imbalance_colocated for s in stats])),
+            "ca/imbalance": float(np.mean([s.imbalance for s in stats])),
+            "ca/fwd_MiB_per_layer": sum(s.fwd_bytes for s in stats) / _MiB,
+            "ca/bwd_MiB_per_layer": sum(s.bwd_bytes for s in stats) / _MiB,
+            "ca/max_server_MiB_per_layer": max(s.max_server_bytes for s in stats) / _MiB,
+            "ca/plan_ms": 1e3 * sum(s.plan_seconds for s in stats),
+            "ca/docs": float(np.mean([s.num_docs for s in stats])),
+        }
+        if fwd_s is not None:
+            row.update({"ca/attn_fwd_s": fwd_s, "ca/attn_bwd_s": bwd_s})
+        self.run_stats.rows.append(row)
+        if self.metrics_processor.should_log(self.step):
+            self.metrics_processor.logger.log(row, self.step)
+            attn = (
+                f"attn fwd {fwd_s:.3f} s bwd {bwd_s:.3f} s" if fwd_s is not None else "attn n/a (compiled)"
+            )
+            logger.info(
+                f"ca step {self.step:2}  imbalance {row['ca/imbalance_colocated']:.3f} (colocated) -> "
+                f"{row['ca/imbalance']:.3f} ({self.ca.cfg.policy})  "
+                f"bytes/layer fwd {row['ca/fwd_MiB_per_layer']:.2f} MiB bwd {row['ca/bwd_MiB_per_layer']:.2f} MiB "
+                f"(x{n_layers} layers)  plan {row['ca/plan_ms']:.1f} ms  {attn}  docs {row['ca/docs']:.0f}"
+            )
+
+    def train(self) -> None:
+        super().train()
+        self._log_summary()
+        self._completed = True
+
+    def close(self) -> None:
+        super().close()
+        # torchtitan's main() destroys the process group right after close(); without a barrier
+        # gloo occasionally aborts in destroy_process_group ("terminate called without an active
+        # exception", platform notes section 1). Only after a completed run: a failed rank must not
+        # leave the others waiting here.
+        if getattr(self, "_completed", False) and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    def _log_summary(self) -> None:
+        st = self.run_stats
+        steps = st.step_seconds[1:] or st.step_seconds  # step 1 includes warm-up
+        if not steps:
+            return
+        mean_s = float(np.mean(steps))
+        tokens = self.job_config.training.seq_len * self.job_config.training.local_batch_size
+        tokens *= self.gradient_accumulation_steps
+        msg = (
+            f"summary: {len(st.step_seconds)} steps, {mean_s:.3f} s/step ({1 / mean_s:.2f} steps/s, "
+            f"{tokens / mean_s:,.0f} tok/s per rank) excluding step 1"
+        )
+        if st.rows:
+            rows = st.rows[1:] or st.rows
+            mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[-1]}
+            msg += (
+                f"; CA ({self.ca.cfg.policy}, group of {self.ca.degree}): imbalance "
+                f"{mean['ca/imbalance_colocated']:.3f} (colocated) -> {mean['ca/imbalance']:.3f}, "
+                f"fwd+bwd {mean['ca/fwd_MiB_per_layer'] + mean['ca/bwd_MiB_per_layer']:.2f} MiB per layer per step, "
+                f"plan {mean['ca/plan_ms']:.1f} ms/step"
+            )
+            if "ca/attn_fwd_s" in mean:
+                attn = mean["ca/attn_fwd_s"] + mean["ca/attn_bwd_s"]
+                msg += (
+                    f", attention {mean['ca/attn_fwd_s']:.3f} s fwd + {mean['ca/attn_bwd_s']:.3f} s bwd "
+                    f"per step ({100 * attn / mean_s:.0f}% of step time)"
+                )
+        logger.info(msg)
+
+
+def run() -> None:
+    register_train_spec()
+    main(CoreAttentionTrainer)
+
+
+if __name__ == "__main__":
+    run()
