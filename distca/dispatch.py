@@ -180,11 +180,10 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
     idx = dict(zip(_INDEX_FIELDS, (q_send_idx, q_send_inv, kv_send_idx, q_recv_to_task, q_task_to_recv, kv_task_idx)))
-    sizes = {"q_recv_to_task": sum(q_recv_splits), "kv_task_idx": sum(kv_recv_splits)}
+    # Rows of the tensor each index gathers from: the identity must cover all of them.
+    sources = dict(zip(_INDEX_FIELDS, (T, T, T, sum(q_recv_splits), sum(q_recv_splits), sum(kv_recv_splits))))
     identity = frozenset(
-        name
-        for name, a in idx.items()
-        if a.size == sizes.get(name, a.size) and np.array_equal(a, np.arange(a.size))
+        name for name, a in idx.items() if a.size == sources[name] and np.array_equal(a, np.arange(a.size))
     )
 
     return DispatchMeta(
