@@ -665,4 +665,28 @@ def _plan_distca(
             # down to half the band below it.
             floor = mean * (1.0 - 0.5 * tolerance)
             bal.shed([int(r) for r in order if load[r] > mean], [int(r) for r in order[::-1] if load[r] < lo_bound], mean, hi_bound, 0.0, floor)
-    return bal.tasks()
+    return _absorb_slivers(layout, *bal.tasks(), min_shard)
+
+
+def _absorb_slivers(layout: Layout, doc, q_start, q_end, server, min_shard: int):
+    """Give each piece shorter than ``min_shard`` of a longer document to the server of the
+    adjacent range of the same document, so the two merge into one task.
+
+    Such slivers are made by rank boundaries (a document continuing for a few tokens
+    on the next rank), not by the balancer; left alone they would be tiny kernel tasks.
+    """
+    qlen = q_end - q_start
+    short = (qlen < min_shard) & (layout.doc_lens[doc] > qlen)
+    if not short.any():
+        return doc, q_start, q_end, server
+    server = server.copy()
+    order = np.lexsort((q_start, doc))
+    pos = np.empty_like(order)
+    pos[order] = np.arange(order.size)
+    d_sorted = doc[order]
+    for i in np.nonzero(short)[0].tolist():
+        p = int(pos[i])
+        # Tasks of one document are contiguous in (doc, q_start) order and tile it.
+        nb = order[p - 1] if p > 0 and d_sorted[p - 1] == doc[i] else order[p + 1]
+        server[i] = server[nb]
+    return doc, q_start, q_end, server

@@ -110,15 +110,16 @@ def test_distca_reaches_tolerance_everywhere_and_beats_greedy(dist, R, T, seed):
     assert ours.traffic.max_server_bytes <= greedy.traffic.max_server_bytes
 
 
-def test_distca_respects_min_shard():
-    lay = realistic("pretrain", 16, 16384, 4)
-    colo = {tuple(t[:3]) for t in plan(lay, "colocated").tasks.tolist()}
+@pytest.mark.parametrize("dist", ["pretrain", "prolong"])
+def test_distca_respects_min_shard(dist):
+    lay = realistic(dist, 16, 16384, 4)
     for ms in (128, 512):
         p = plan(lay, "distca", min_shard=ms)
-        short = [tuple(t[:3]) for t in p.tasks.tolist() if t[2] - t[1] < ms]
-        # Shards below min_shard exist only where the layout itself made them
-        # (short documents, or a document's piece cut by a rank boundary).
-        assert set(short) <= colo
+        check_exact_cover(p)
+        # Shards below min_shard only for documents that are shorter (a sliver a
+        # rank boundary cuts off a longer document joins the adjacent task).
+        for d, s, e, _ in p.tasks.tolist():
+            assert e - s >= ms or (s, e) == (0, lay.doc_lens[d]), (d, s, e)
 
 
 @given(lay=layouts(max_ranks=6, max_tokens=400))
