@@ -29,7 +29,7 @@ from typing import Literal, get_args
 import numpy as np
 
 from distca.cost import MODEL_SHAPES, CostModel, ModelShape, Traffic, causal_pairs, load_cost_model, traffic
-from distca.layout import Layout
+from distca.layout import Layout, Segments
 
 __all__ = ["Plan", "Policy", "POLICIES", "plan"]
 
@@ -388,7 +388,7 @@ class _Balancer:
         self.cu = layout.cu_array
         self.cm = cm
         self.min_shard = min_shard
-        s = self.seg = layout.segments
+        s = self.seg = _initial_pieces(layout, min_shard)
         # Bytes per moved query row (Q out, O + LSE back) and per KV row.
         self.qb = 2 * shape.q_row + shape.lse_row
         self.kvb = shape.kv_row
@@ -414,7 +414,13 @@ class _Balancer:
             self.top_pieces[r].append(i)
         self.cap = capacity
         if capacity is not None:
-            self.recv = np.bincount(s.rank, s.start * self.kvb, self.R).astype(np.float64)
+            # Colocated inputs: KV prefix rows and Q rows of each piece not held by its server.
+            g0 = layout.cu_array[s.doc]
+            lo, hi = s.rank * self.T, (s.rank + 1) * self.T
+            own_kv = np.maximum(0, np.minimum(g0 + s.end, hi) - np.maximum(g0, lo))
+            own_q = np.maximum(0, np.minimum(g0 + s.end, hi) - np.maximum(g0 + s.start, lo))
+            remote = (s.end - own_kv) * self.kvb + (s.end - s.start - own_q) * self.q_row
+            self.recv = np.bincount(s.rank, remote, self.R).astype(np.float64)
             if self.recv.max() > capacity:
                 r = int(self.recv.argmax())
                 raise ValueError(
@@ -540,6 +546,8 @@ class _Balancer:
                 continue  # nowhere to shed to, and no mop-up to open
             active.discard(d)
             pieces = self.top_pieces[d]
+            if not pieces:
+                continue  # its load is work it received; received chunks are not re-cut
             parked: list[int] = []
             while load[d] > (fill_to if floor is None else floor):
                 while heap and (heap[0][1] not in active or -heap[0][0] != fill_to - load[heap[0][1]]):
@@ -577,7 +585,9 @@ class _Balancer:
                 doc = self.docs[i]
                 if load[d] <= hi_bound and t > need + (hi_bound - fill_to):
                     break  # the smallest allowed cut would overshoot; the donor is within bounds
-                fits = load[j] + t <= hi_bound
+                # A min_shard chunk may not fit under the bound; it still helps if the
+                # receiver ends below where the donor is now (the max goes down).
+                fits = load[j] + t <= hi_bound or (load[d] > hi_bound and load[j] + t < load[d])
                 if fits and self.cap is not None:
                     nb = self.in_bytes(j, doc, x, e)
                     fits = self.recv[j] + nb <= self.cap
@@ -665,20 +675,32 @@ def _plan_distca(
             # down to half the band below it.
             floor = mean * (1.0 - 0.5 * tolerance)
             bal.shed([int(r) for r in order if load[r] > mean], [int(r) for r in order[::-1] if load[r] < lo_bound], mean, hi_bound, 0.0, floor)
-    return _absorb_slivers(layout, *bal.tasks(), min_shard)
+    return bal.tasks()
 
 
-def _absorb_slivers(layout: Layout, doc, q_start, q_end, server, min_shard: int):
-    """Give each piece shorter than ``min_shard`` of a longer document to the server of the
-    adjacent range of the same document, so the two merge into one task.
+def _initial_pieces(layout: Layout, min_shard: int):
+    """The colocated pieces, except that a sliver shorter than ``min_shard`` which a rank
+    boundary cuts off a document of at least ``min_shard`` tokens joins the adjacent
+    piece of that document.
 
-    Such slivers are made by rank boundaries (a document continuing for a few tokens
-    on the next rank), not by the balancer; left alone they would be tiny kernel tasks.
+    Such slivers (a document continuing for a few tokens on the next rank) are made by
+    the layout, not the balancer; left alone they would be tiny kernel tasks. Joining
+    them before balancing lets the balancer account for the few rows that move.
+    Returns a :class:`Segments`-like tuple in stream order (so still sorted by rank).
     """
-    qlen = q_end - q_start
-    short = (qlen < min_shard) & (layout.doc_lens[doc] > qlen)
-    if not short.any():
-        return doc, q_start, q_end, server
+    s = layout.segments
+    qlen = s.end - s.start
+    sliver = (qlen < min_shard) & (layout.doc_lens[s.doc] >= min_shard)
+    if not sliver.any():
+        return s
+    rank = s.rank.copy()
+    for i in np.nonzero(sliver)[0].tolist():
+        # Pieces of one document are adjacent in stream order.
+        rank[i] = rank[i - 1] if i > 0 and s.doc[i - 1] == s.doc[i] else rank[i + 1]
+    new = np.ones(rank.size, dtype=bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (s.doc[1:] != s.doc[:-1])
+    idx = np.nonzero(new)[0]
+    return Segments(rank[idx], s.doc[idx], s.start[idx], np.maximum.reduceat(s.end, idx), s.offset[idx])
     server = server.copy()
     order = np.lexsort((q_start, doc))
     pos = np.empty_like(order)
