@@ -84,6 +84,8 @@ class _RunStats:
 
     step_seconds: list[float] = dataclasses.field(default_factory=list)
     rows: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    graphs: list[int] = dataclasses.field(default_factory=list)
+    """torch._dynamo's compiled-graph count after each step (with ``--compile.enable``)."""
 
 
 class CoreAttentionTrainer(Trainer):
@@ -130,6 +132,10 @@ class CoreAttentionTrainer(Trainer):
         t0 = time.perf_counter()
         super().train_step(data_iterator)
         self.run_stats.step_seconds.append(time.perf_counter() - t0)
+        if self.job_config.compile.enable:
+            from torch._dynamo.utils import counters
+
+            self.run_stats.graphs.append(counters["stats"]["unique_graphs"])
         if self.ca is None:
             return
         stats, fwd_s, bwd_s = self.ca.pop_stats()
@@ -199,6 +205,9 @@ class CoreAttentionTrainer(Trainer):
                     f", attention {mean['ca/attn_fwd_s']:.3f} s fwd + {mean['ca/attn_bwd_s']:.3f} s bwd "
                     f"per step ({100 * attn / mean_s:.0f}% of step time)"
                 )
+        if st.graphs:
+            # A new plan every step must not recompile: the plan reaches compiled code as a tensor.
+            msg += f"; torch.compile: {st.graphs[0]} graphs in step 1, {st.graphs[-1] - st.graphs[0]} more after"
         logger.info(msg)
 
 
