@@ -159,6 +159,9 @@ def _unpack(buf: torch.Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]])
 
 def _send_q_rows(m: DispatchMeta, pg, *xs: torch.Tensor) -> list[torch.Tensor]:
     """Home -> server for Q-indexed rows [T, ...]; returns them in kernel order."""
+    if len(xs) == 1:  # no packing: one copy fewer each way
+        buf = all_to_all_rows(m.take(xs[0], "q_send_idx"), m.q_send_splits, m.q_recv_splits, pg, m.local_only)
+        return [m.take(buf, "q_recv_to_task")]
     specs = [(tuple(x.shape[1:]), x.dtype) for x in xs]
     buf = all_to_all_rows(_pack(*(m.take(x, "q_send_idx") for x in xs)), m.q_send_splits, m.q_recv_splits, pg, m.local_only)
     return [m.take(y, "q_recv_to_task") for y in _unpack(buf, specs)]
@@ -166,6 +169,9 @@ def _send_q_rows(m: DispatchMeta, pg, *xs: torch.Tensor) -> list[torch.Tensor]:
 
 def _return_q_rows(m: DispatchMeta, pg, *xs: torch.Tensor) -> list[torch.Tensor]:
     """Server -> home for kernel-order rows [Nq, ...]; returns them in local order [T, ...]."""
+    if len(xs) == 1:
+        buf = all_to_all_rows(m.take(xs[0], "q_task_to_recv"), m.q_recv_splits, m.q_send_splits, pg, m.local_only)
+        return [m.take(buf, "q_send_inv")]
     specs = [(tuple(x.shape[1:]), x.dtype) for x in xs]
     buf = all_to_all_rows(_pack(*(m.take(x, "q_task_to_recv") for x in xs)), m.q_recv_splits, m.q_send_splits, pg, m.local_only)
     return [m.take(y, "q_send_inv") for y in _unpack(buf, specs)]
@@ -176,7 +182,7 @@ def _send_kv(m: DispatchMeta, pg, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
     hkv = k.shape[1]
     kv = m.take(torch.cat([k, v], dim=1), "kv_send_idx")  # [rows, 2 Hkv, D]
     recv = m.take(all_to_all_rows(kv, m.kv_send_splits, m.kv_recv_splits, pg, m.local_only), "kv_task_idx")
-    return recv[:, :hkv].contiguous(), recv[:, hkv:].contiguous()
+    return recv[:, :hkv], recv[:, hkv:]  # views: the kernels take strided rows
 
 
 def _return_dkv(m: DispatchMeta, pg, dk: torch.Tensor, dv: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
