@@ -161,7 +161,8 @@ def plan(
             time into [(1 - eps) * mean, (1 + eps) * mean] (``distca`` keeps the
             overload side within eps / 5, since only the slowest server costs time).
         min_shard: smallest query shard in tokens the balancers cut (the kernel
-            tile), except for documents that are shorter.
+            tile), except for documents that are shorter; ``distca`` caps it at
+            tokens_per_rank // 2.
         capacity_bytes: optional per-server bound on forward input bytes (Q + KV
             rows) received; ``distca`` never exceeds it and raises ``ValueError``
             if even the colocated layout does.
@@ -657,6 +658,9 @@ def _plan_distca(
     if R == 1:
         s = layout.segments
         return s.doc, s.start, s.end, s.rank
+    # A shard can't be asked to exceed half of what a rank holds: with tiny ranks
+    # (T < 2 * min_shard) the tile floor would otherwise forbid any balancing.
+    min_shard = max(1, min(min_shard, layout.tokens_per_rank // 2))
     bal = _Balancer(layout, cm, shape, min_shard, capacity_bytes)
     load = bal.load
     for rnd in range(4):
