@@ -22,7 +22,6 @@ import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import torch
@@ -31,13 +30,13 @@ from torch import nn
 
 from distca import kernels
 from distca.dispatch import DispatchMeta, all_to_all_rows, build_dispatch
+from distca.cost import Mode
 from distca.layout import Layout
 from distca.mesh import agree, fingerprint, resolve_group
 from distca.planner import Plan, Policy, plan as make_plan
 
 __all__ = ["DispatchPlan", "prepare", "core_attention", "CoreAttention"]
 
-Mode = Literal["resend", "keep"]
 _MAX_PLANS = 32
 """Registered plans kept alive (FIFO). Every rank registers the same sequence of
 plans, so evictions happen at the same point on every rank."""

@@ -172,26 +172,29 @@ class Layout:
             a.flags.writeable = False
         return out
 
-    def rank_segments(self, rank: int) -> list[tuple[int, int, int]]:
-        """(doc, in-doc start, in-doc end) of every document piece rank ``rank`` holds, in order."""
+    def _check_rank(self, rank: int) -> int:
         rank = _as_int("rank", rank)
         if not 0 <= rank < self.ranks:
             raise ValueError(f"rank must be in [0, {self.ranks}), got {rank}")
+        return rank
+
+    def rank_segments(self, rank: int) -> list[tuple[int, int, int]]:
+        """(doc, in-doc start, in-doc end) of every document piece rank ``rank`` holds, in order."""
+        rank = self._check_rank(rank)
         s = self.segments
         lo, hi = np.searchsorted(s.rank, [rank, rank + 1])
         return list(zip(s.doc[lo:hi].tolist(), s.start[lo:hi].tolist(), s.end[lo:hi].tolist()))
 
     def positions(self, rank: int) -> np.ndarray:
         """In-document position of each of ``rank``'s T tokens (for RoPE), int64 [T]."""
-        rank = _as_int("rank", rank)
-        if not 0 <= rank < self.ranks:
-            raise ValueError(f"rank must be in [0, {self.ranks}), got {rank}")
+        rank = self._check_rank(rank)
         g = np.arange(rank * self.tokens_per_rank, (rank + 1) * self.tokens_per_rank, dtype=np.int64)
         doc = np.searchsorted(self.cu_array, g, side="right") - 1
         return g - self.cu_array[doc]
 
     def local_cu_seqlens(self, rank: int) -> np.ndarray:
         """Boundaries of the document pieces inside ``rank``'s T tokens, int64 [pieces + 1]."""
+        rank = self._check_rank(rank)
         s = self.segments
         lo, hi = np.searchsorted(s.rank, [rank, rank + 1])
         return np.concatenate([s.offset[lo:hi], [self.tokens_per_rank]]).astype(np.int64)

@@ -28,14 +28,13 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from distca.cost import MODEL_SHAPES, CostModel, ModelShape, Traffic, causal_pairs, load_cost_model, traffic
+from distca.cost import MODEL_SHAPES, CostModel, Mode, ModelShape, Traffic, causal_pairs, load_cost_model, traffic
 from distca.layout import Layout, Segments
 
 __all__ = ["Plan", "Policy", "POLICIES", "plan"]
 
 Policy = Literal["distca", "greedy", "per_doc_cp", "colocated"]
 POLICIES: tuple[str, ...] = get_args(Policy)
-Mode = Literal["resend", "keep"]
 
 _TASK_COLS = ("doc", "q_start", "q_end", "server")
 

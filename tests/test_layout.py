@@ -93,3 +93,10 @@ def test_layout_is_frozen_and_hashable():
     assert lay == Layout((0, 3, 8), 2, 4)
     assert hash(lay) == hash(Layout((0, 3, 8), 2, 4))
     assert not lay.cu_array.flags.writeable
+
+
+def test_rank_out_of_range_is_rejected_by_every_view():
+    lay = Layout.from_doclens([3, 5], 2, 4)
+    for view in (lay.rank_segments, lay.positions, lay.local_cu_seqlens):
+        with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
+            view(2)

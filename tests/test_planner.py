@@ -206,3 +206,16 @@ def test_distca_with_min_shard_never_worse_than_colocated(lay):
     L = int(lay.doc_lens.max())
     grain = float(ours.cost_model.task_time(max(0, L - ms_eff), L))
     assert ours.loads.max() <= colo.loads.max() + grain + 1e-12
+
+
+def test_balancer_scalar_time_matches_cost_model():
+    # The balancer's pure-Python task time is a hot-path twin of CostModel.task_time.
+    from distca.planner import _Balancer, _resolve_cost
+
+    lay = Layout.from_doclens([3000, 5000], 2, 4000)
+    for name in ("cpu", "h200"):
+        cm = _resolve_cost(name, SHAPE)
+        cm = CostModel(**{**cm.__dict__, "rect_s": 1e-9})  # exercise every term
+        bal = _Balancer(lay, cm, SHAPE, 128, None)
+        for a, b in [(0, 1), (0, 128), (100, 4000), (2999, 3000), (1234, 4321)]:
+            assert bal.t(a, b) == pytest.approx(float(cm.task_time(a, b)), rel=1e-12)
