@@ -8,9 +8,11 @@ Plan once per step, run every layer with it::
     dp = distca.prepare(cu_seqlens, group=mesh)           # every rank, once per step
     out = distca.core_attention(q, k, v, cu_seqlens, group=mesh, plan=dp)
 
-The op is two ``torch.library`` custom ops (forward and backward) that
-*mutate* preallocated outputs: collectives never sit inside a functional op
-(Inductor may drop a functional op whose result is empty), and every shape in
+The op is two ``torch.library`` custom ops (forward and backward), each of
+which *mutates* an argument (the forward a 1-element stash id, while returning
+``out`` and ``lse`` so that selective activation checkpointing can save them;
+the backward its preallocated gradients): collectives never sit inside a
+functional op (Inductor may drop a functional op whose result is empty), and every shape in
 the graph is [T, ...], so a compiled model does not recompile when the
 document layout changes. The plan reaches the op as a 1-element int64 tensor
 (``DispatchPlan.handle``) that names an entry in this module's registry.
@@ -184,16 +186,18 @@ def _send_kv(m: DispatchMeta, pg, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
     return recv[:, :hkv], recv[:, hkv:]  # views: the kernels take strided rows
 
 
-def _return_dkv(m: DispatchMeta, pg, dk: torch.Tensor, dv: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Server -> home dK/dV: summed over a row's replicas on the server, then over servers at home."""
-    hkv = dk.shape[1]
+def _dkv_unique(m: DispatchMeta, dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
+    """Server side: kernel dK/dV rows [Nk, Hkv, D] summed (fp32) over replicas into received rows [Nkv, 2 Hkv, D]."""
     dkv = torch.cat([dk, dv], dim=1).float()  # fp32 sums
-    n_recv = sum(m.kv_recv_splits)
     if "kv_task_idx" in m.identity:  # every received row used by exactly one task
-        uniq = dkv
-    else:
-        uniq = dkv.new_zeros((n_recv, *dkv.shape[1:])).index_add_(0, m.kv_task_idx, dkv)
-    back = all_to_all_rows(uniq.to(dk.dtype), m.kv_recv_splits, m.kv_send_splits, pg, m.local_only)
+        return dkv.to(dk.dtype)
+    n_recv = sum(m.kv_recv_splits)
+    return dkv.new_zeros((n_recv, *dkv.shape[1:])).index_add_(0, m.kv_task_idx, dkv).to(dk.dtype)
+
+
+def _dkv_home(m: DispatchMeta, back: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Home side: returned dK/dV rows summed (fp32) over servers into local rows; two fp32 [T, Hkv, D]."""
+    hkv = back.shape[1] // 2
     if "kv_send_idx" in m.identity and back.shape[0] == T:  # each local row sent once, in order
         home = back.float()
     else:
@@ -201,22 +205,45 @@ def _return_dkv(m: DispatchMeta, pg, dk: torch.Tensor, dv: torch.Tensor, T: int)
     return home[:, :hkv], home[:, hkv:]
 
 
+def _return_dkv(m: DispatchMeta, pg, dk: torch.Tensor, dv: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Server -> home dK/dV: summed over a row's replicas on the server, then over servers at home."""
+    back = all_to_all_rows(_dkv_unique(m, dk, dv), m.kv_recv_splits, m.kv_send_splits, pg, m.local_only)
+    return _dkv_home(m, back, T)
+
+
 # ---- the ops --------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("distca::core_attention_fwd", mutates_args=("out", "lse", "stash_id"))
+def _owned_dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` if it is the whole of its own storage with row-major strides, else a row-major copy.
+
+    A custom op's outputs must be fresh (no aliasing of inputs or of each other) and have the
+    strides its fake reports; ``.contiguous()`` alone may return a view (size-1 dims) or a
+    slice of a packed exchange buffer shared with the other output.
+    """
+    rowmajor = x.stride() == torch.empty(x.shape, device="meta").stride()
+    whole = x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
+    return x if rowmajor and whole else x.clone(memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("distca::core_attention_fwd", mutates_args=("stash_id",))
 def _core_attention_fwd(
-    out: torch.Tensor,  # [T, Hq, D] (written)
-    lse: torch.Tensor,  # [Hq, T] fp32 (written)
-    stash_id: torch.Tensor,  # int64 [1] (written; keep mode)
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    stash_id: torch.Tensor,  # int64 [1] (written in keep mode)
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
     handle: torch.Tensor,
     softmax_scale: float,
     ca_mode: str,
     kernel_backend: str,
-) -> None:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns fresh ``out`` [T, Hq, D] (q's dtype) and ``lse`` [Hq, T] fp32, both row-major.
+
+    The outputs are returned (not written into preallocated buffers) so that selective
+    activation checkpointing can save them and skip the op, all-to-alls included, in the
+    recompute. ``stash_id`` stays a mutated argument because the op runs collectives: a
+    mutating op is never dropped or reordered by Inductor, a functional one may be.
+    """
     entry = _entry(handle)
     m, pg = _meta_on(entry, q.device), entry.group
     qs = _send_q_rows(m, pg, q)[0]
@@ -224,18 +251,20 @@ def _core_attention_fwd(
     o, l = kernels.varlen_attn_forward(
         qs, ks, vs, m.cu_seqlens_q, m.cu_seqlens_k, m.max_seqlen_q, m.max_seqlen_k, softmax_scale, True, kernel_backend
     )
-    o_home, l_home = _return_q_rows(m, pg, o, l.t())
-    out.copy_(o_home)
-    lse.copy_(l_home.t())
+    o_home, l_home = _return_q_rows(m, pg, o, l.t())  # [T, Hq, D], [T, Hq]
     if ca_mode == "keep":
         sid = next(_STASH_IDS)
         entry.stash[sid] = (qs, ks, vs, o, l)
         stash_id.fill_(sid)
+        if o_home is o:  # every row local and in order: do not hand out the stashed tensor
+            o_home = o.clone(memory_format=torch.contiguous_format)
+    return _owned_dense(o_home), _owned_dense(l_home.t())
 
 
 @_core_attention_fwd.register_fake
-def _(out, lse, stash_id, q, k, v, handle, softmax_scale, ca_mode, kernel_backend) -> None:
-    return None
+def _(stash_id, q, k, v, handle, softmax_scale, ca_mode, kernel_backend) -> tuple[torch.Tensor, torch.Tensor]:
+    T, hq, d = q.shape
+    return q.new_empty((T, hq, d)), q.new_empty((hq, T), dtype=torch.float32)
 
 
 @torch.library.custom_op("distca::core_attention_bwd", mutates_args=("dq", "dk", "dv"))
@@ -284,10 +313,8 @@ def _(dq, dk, dv, dout, q, k, v, out, lse, stash_id, handle, softmax_scale, ca_m
 class _CoreAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, handle, softmax_scale, mode, backend):
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
         stash_id = torch.zeros(1, dtype=torch.int64)
-        torch.ops.distca.core_attention_fwd(out, lse, stash_id, q, k, v, handle, softmax_scale, mode, backend)
+        out, lse = torch.ops.distca.core_attention_fwd(stash_id, q, k, v, handle, softmax_scale, mode, backend)
         ctx.save_for_backward(q, k, v, out, lse, stash_id, handle)
         ctx.cfg = (softmax_scale, mode, backend)
         return out
@@ -333,6 +360,44 @@ def _local_error(q, k, v, cu: np.ndarray | None, T_plan: int, R: int) -> str | N
                 f"got {cu.tolist()[:8]}{'...' if cu.size > 8 else ''} (last {int(cu[-1]) if cu.size else None})"
             )
     return None
+
+
+def _resolve_handle(plan, cu_seqlens, group) -> torch.Tensor:
+    """The registry handle for ``plan`` (see :func:`core_attention`), preparing one if needed."""
+    if isinstance(plan, torch.Tensor):
+        return plan
+    if isinstance(plan, DispatchPlan):
+        return plan.handle
+    if isinstance(plan, Plan) or plan is None:
+        if plan is None and cu_seqlens is None:
+            raise ValueError("cu_seqlens is required when plan is None")
+        return prepare(plan if plan is not None else cu_seqlens, group).handle
+    raise TypeError(f"plan must be a DispatchPlan, its handle, a Plan or None, got {type(plan).__name__}")
+
+
+def _verify(handle: torch.Tensor, q, k, v, cu_seqlens, mode: str) -> None:
+    """Eager: validate on every rank, agreeing before any data moves.
+
+    The full check (cu_seqlens against the plan: a host copy) and the all-reduce run on
+    the first call per plan and input signature, i.e. once per step, not once per layer.
+    """
+    entry = _entry(handle)
+    lay = entry.plan.layout
+    tensors = all(isinstance(x, torch.Tensor) for x in (q, k, v))
+    sig = (tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), mode) if tensors else None
+    first = sig not in entry.verified
+    cu = _as_numpy(cu_seqlens) if first and cu_seqlens is not None else None
+    err = _local_error(q, k, v, cu, lay.tokens_per_rank, lay.ranks)
+    if err is None and cu is not None and (cu.size != lay.num_docs + 1 or np.any(cu != lay.cu_array)):
+        err = "cu_seqlens differ from the layout the plan was made for"
+    if err is not None or first:
+        agree(
+            entry.group,
+            q.device if tensors else torch.device("cpu"),
+            err,
+            {"T and head shapes": fingerprint(sig), "mode": fingerprint(mode)},
+        )
+        entry.verified.add(sig)
 
 
 def core_attention(
@@ -397,41 +462,10 @@ def core_attention(
         if backend is None:
             backend = kernels.select_backend(q.device)
 
-    if isinstance(plan, torch.Tensor):
-        handle = plan
-    else:
-        if isinstance(plan, DispatchPlan):
-            dp = plan
-        elif isinstance(plan, Plan) or plan is None:
-            if plan is None and cu_seqlens is None:
-                raise ValueError("cu_seqlens is required when plan is None")
-            dp = prepare(plan if plan is not None else cu_seqlens, group)
-        else:
-            raise TypeError(f"plan must be a DispatchPlan, its handle, a Plan or None, got {type(plan).__name__}")
-        handle = dp.handle
+    handle = _resolve_handle(plan, cu_seqlens, group)
     if torch.compiler.is_compiling():
         return _CoreAttentionFn.apply(q, k, v, handle, softmax_scale, mode, backend)
-
-    # Eager: validate on every rank, agreeing before any data moves. The full check
-    # (cu_seqlens against the plan: a host copy) and the all-reduce run on the first
-    # call per plan and input signature, i.e. once per step, not once per layer.
-    entry = _entry(handle)
-    lay = entry.plan.layout
-    tensors = all(isinstance(x, torch.Tensor) for x in (q, k, v))
-    sig = (tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), mode) if tensors else None
-    first = sig not in entry.verified
-    cu = _as_numpy(cu_seqlens) if first and cu_seqlens is not None else None
-    err = _local_error(q, k, v, cu, lay.tokens_per_rank, lay.ranks)
-    if err is None and cu is not None and (cu.size != lay.num_docs + 1 or np.any(cu != lay.cu_array)):
-        err = "cu_seqlens differ from the layout the plan was made for"
-    if err is not None or first:
-        agree(
-            entry.group,
-            q.device if tensors else torch.device("cpu"),
-            err,
-            {"T and head shapes": fingerprint(sig), "mode": fingerprint(mode)},
-        )
-        entry.verified.add(sig)
+    _verify(handle, q, k, v, cu_seqlens, mode)
     return _CoreAttentionFn.apply(q, k, v, handle, softmax_scale, mode, backend)
 
 

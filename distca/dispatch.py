@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from distca.planner import Plan
 
-__all__ = ["DispatchMeta", "build_dispatch", "all_to_all_rows"]
+__all__ = ["DispatchMeta", "build_dispatch", "all_to_all_rows", "start_all_to_all_rows"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -223,3 +223,25 @@ def all_to_all_rows(
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x, list(recv_splits), list(send_splits), group=group)
     return out
+
+
+def start_all_to_all_rows(
+    x: torch.Tensor,
+    send_splits: tuple[int, ...],
+    recv_splits: tuple[int, ...],
+    group: dist.ProcessGroup | None,
+    local_only: bool = False,
+) -> tuple[torch.Tensor, "dist.Work | None"]:
+    """:func:`all_to_all_rows` without waiting: returns ``(out, work)``.
+
+    ``out`` is valid after ``work.wait()`` (``work`` is None when nothing moves). On CPU
+    the exchange runs on the process group's own thread; with NCCL on its stream, and
+    ``wait()`` makes the current stream wait for it. Every rank must start exchanges
+    on a group in the same order.
+    """
+    x = x.contiguous()
+    if local_only:
+        return x, None
+    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    work = dist.all_to_all_single(out, x, list(recv_splits), list(send_splits), group=group, async_op=True)
+    return out, work
