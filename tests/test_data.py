@@ -138,6 +138,34 @@ def test_rank_slices_concatenate_to_group_window():
     assert torch.equal(torch.cat([lab[0] for _, lab in parts]), w.labels)
 
 
+def test_nano_batches_are_consecutive_windows_and_resume():
+    """nano_batches=2: rank r's row is its slice of window 0 then of window 1 (each T/2 per rank),
+    one cu_seqlens per window; the stream advances by both windows per step."""
+    stream = ListStream([50, 7, 130, 3, 90])
+    R, T = 2, 64
+    items = [iter(CAPackedDataset(stream, group=0, ca_rank=r, ca_degree=R, seq_len=T, nano_batches=2)) for r in range(R)]
+    state = StreamState()
+    for _ in range(3):
+        windows = []
+        for _ in range(2):
+            w = group_window(stream, state, R, T // 2)
+            windows.append(w)
+            state = w.next_state
+        for r, it in enumerate(items):
+            d, lab = next(it)
+            halves = [rank_batch(w, r, T // 2) for w in windows]
+            assert torch.equal(d["input"], torch.cat([h[0]["input"] for h in halves], dim=1))
+            assert torch.equal(d["positions"], torch.cat([h[0]["positions"] for h in halves], dim=1))
+            assert torch.equal(lab, torch.cat([h[1] for h in halves], dim=1))
+            assert torch.equal(d["cu_seqlens"], windows[0].cu_seqlens)
+            assert torch.equal(d["cu_seqlens_1"], windows[1].cu_seqlens)
+    ds = CAPackedDataset(stream, group=0, ca_rank=0, ca_degree=R, seq_len=T, nano_batches=2)
+    with pytest.raises(ValueError, match="nano_batches"):  # a checkpoint from a run without nano-batches
+        ds.load_state_dict(CAPackedDataset(stream, group=0, ca_rank=0, ca_degree=R, seq_len=T).state_dict())
+    with pytest.raises(ValueError, match=r"seq_len=63 must be a multiple of nano_batches=2"):
+        CAPackedDataset(stream, group=0, ca_rank=0, ca_degree=R, seq_len=63, nano_batches=2)
+
+
 # ---- sources -----------------------------------------------------------------------------------
 
 

@@ -1,5 +1,7 @@
 """distca.pingpong on real gloo groups: exact against core_attention, mirrored backward schedule."""
 
+import re
+
 import pytest
 import torch
 
@@ -127,3 +129,46 @@ def test_pingpong_misuse_raises_clearly_on_every_rank():
         assert "Flight" in msgs[1]
     assert "tokens_per_rank=8" in results[1][2]  # the rank with the bad input names the rule
     assert "another rank" in results[0][2]  # the other one raises too, instead of hanging
+
+
+# ---- torchtitan: ping-pong in the trainer (torchrun, 2 processes, CPU/gloo) --------------------
+#
+# The same 10 fp32 steps as tests/test_torchtitan_ext.py (windows of 1024 tokens, one seed
+# checkpoint), with two nano-batches per step: two windows of 512 tokens, each planned alone.
+
+
+@pytest.fixture(scope="module")
+def titan(tmp_path_factory):
+    import test_torchtitan_ext as tt
+
+    d = tmp_path_factory.mktemp("titan_pp")
+    tt._torchrun(1, d / "seed", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
+    seed = d / "seed/checkpoint/step-0"
+    runs = {}
+
+    def run(name, nproc, *args):
+        if name not in runs:
+            runs[name] = tt._from_seed(nproc, d, seed, name, *args)
+        return runs[name]
+
+    return tt, run
+
+
+@pytest.mark.slow
+def test_trainer_pingpong_is_exact_and_compiles(titan):
+    tt, run = titan
+    pp = run("pingpong", 2, "--core_attention.pingpong")
+    seq = run("sequential", 2, "--core_attention.nano_batches", "2")  # same nano-batches, nothing overlapped
+    one = run("one", 1, "--core_attention.pingpong")  # a CA group of 1 on the same windows
+    comp = run("compiled", 2, "--core_attention.pingpong", "--compile.enable")
+    log, tb, _ = pp
+    assert "2 nano-batch(es), ping-pong" in log, log[-3000:]
+    assert len(tt._losses(pp)) == tt._STEPS
+    # Overlapping changes the order of the exchanges, not the arithmetic: identical losses.
+    assert tt._losses(pp) == tt._losses(seq)
+    assert tt._losses(pp) == pytest.approx(tt._losses(one), rel=1e-4)
+    assert tt._losses(comp) == pytest.approx(tt._losses(pp), rel=1e-4)
+    m = re.search(r"torch.compile: (\d+) graphs in step 1, (\d+) more after", comp[0])
+    assert m and int(m[1]) >= 1 and int(m[2]) == 0, comp[0][-4000:]
+    assert sorted(tb["ca/exposed_comm_s"]) == list(range(1, tt._STEPS + 1))
+    assert all(v >= 0 for v in tb["ca/exposed_comm_s"].values())

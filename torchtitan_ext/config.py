@@ -14,7 +14,7 @@ from typing import Literal, get_args
 
 from distca.planner import POLICIES
 
-__all__ = ["CoreAttention", "JobConfig", "validate"]
+__all__ = ["CoreAttention", "JobConfig", "nano_batches", "validate"]
 
 Policy = Literal["distca", "greedy", "per_doc_cp", "colocated"]
 Mode = Literal["resend", "keep"]
@@ -51,8 +51,16 @@ class CoreAttention:
     """Smallest query shard in tokens the planner cuts (the kernel tile)."""
 
     pingpong: bool = False
-    """Reserved: overlap one nano-batch's CA communication with the other's compute
-    (the paper's ping-pong). Not supported yet; must be false."""
+    """Ping-pong: split each rank's micro-batch into two nano-batches (two consecutive
+    windows of the group's stream, planned separately) and, in every layer, overlap one
+    nano-batch's all-to-alls with the other's compute, forward and backward. Exact: the
+    same losses as ``nano_batches = 2`` without it."""
+
+    nano_batches: int = -1
+    """Nano-batches per micro-batch: 1, or 2 (each rank's ``seq_len`` tokens are two
+    windows of ``seq_len / 2``, each a separate CA plan). -1: 2 with ``pingpong``, else 1.
+    ``nano_batches = 2`` with ``pingpong = false`` runs the two one after the other
+    (the paper's "single stream" ablation: same data and math, nothing overlapped)."""
 
     cost_model: str = "auto"
     """Planner time model: "cpu", "h200", a path to a JSON cost model, or "auto"
@@ -64,6 +72,21 @@ class JobConfig:
     """Merged into torchtitan's JobConfig by ``ConfigManager`` (custom_config_module)."""
 
     core_attention: CoreAttention = field(default_factory=CoreAttention)
+
+
+def nano_batches(cfg: CoreAttention) -> int:
+    """Nano-batches per micro-batch (``nano_batches`` resolved); raises ValueError if invalid."""
+    n = cfg.nano_batches
+    if isinstance(n, bool) or n not in (-1, 1, 2):
+        raise ValueError(f"core_attention.nano_batches={n!r} must be -1 (auto), 1 or 2")
+    if n == -1:
+        n = 2 if cfg.pingpong else 1
+    if cfg.pingpong and n != 2:
+        raise ValueError(
+            f"core_attention.pingpong=true overlaps two nano-batches; got nano_batches={cfg.nano_batches} "
+            "(use -1 or 2)"
+        )
+    return n
 
 
 def validate(cfg: CoreAttention, *, dp_size: int, cp_degree: int = 1, tp_degree: int = 1, pp_degree: int = 1) -> int:
@@ -87,11 +110,7 @@ def validate(cfg: CoreAttention, *, dp_size: int, cp_degree: int = 1, tp_degree:
         raise ValueError(f"core_attention.tolerance={cfg.tolerance!r} must be a number in [0, 1)")
     if isinstance(cfg.min_shard, bool) or not isinstance(cfg.min_shard, int) or cfg.min_shard < 1:
         raise ValueError(f"core_attention.min_shard={cfg.min_shard!r} must be an int >= 1")
-    if cfg.pingpong:
-        raise ValueError(
-            "core_attention.pingpong=true is not supported yet (reserved for overlapping "
-            "CA communication with compute); set it to false"
-        )
+    nano_batches(cfg)  # raises on an invalid combination
     if not cfg.enable:
         return 1
     if cp_degree > 1:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +41,7 @@ from torch import nn
 
 import distca
 from distca.cost import CostModel, ModelShape, load_cost_model
-from torchtitan_ext.config import CoreAttention, validate
+from torchtitan_ext.config import CoreAttention, nano_batches, validate
 
 __all__ = ["CoreAttentionConverter", "CoreAttentionModule", "StepContext", "build_ca_mesh", "step_context"]
 
@@ -83,9 +84,14 @@ class StepContext:
     shape: ModelShape | None = None
     """Attention shape for the planner's bytes model (set by the converter)."""
     cost_model: CostModel | None = None
-    plan: "distca.DispatchPlan | None" = None
+    nano_batches: int = 1
+    plans: "list[distca.DispatchPlan]" = field(default_factory=list)
+    """This micro-batch's plans, one per nano-batch."""
     stats: list[StepStats] = field(default_factory=list)
-    """One entry per ``prepare`` since the last :meth:`pop_stats`."""
+    """One entry per planned nano-batch since the last :meth:`pop_stats`."""
+    pre_attention: object = None
+    post_attention: object = None
+    """Nano-batch mode: the block pieces around core attention (compiled with ``--compile.enable``)."""
     attn_events: list[tuple[str, object, object]] = field(default_factory=list)
     """(kind "fwd"/"bwd", start, end) clock marks of attention calls, eager only."""
 
@@ -93,8 +99,24 @@ class StepContext:
     def group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("ca")
 
-    def prepare(self, cu_seqlens: torch.Tensor) -> "distca.DispatchPlan":
-        """Plan this micro-batch's core attention (every rank of the group, same ``cu_seqlens``)."""
+    @property
+    def plan(self) -> "distca.DispatchPlan | None":
+        """The plan of nano-batch 0 (the only one without nano-batches)."""
+        return self.plans[0] if self.plans else None
+
+    def prepare(self, cu_seqlens: "torch.Tensor | list[torch.Tensor]") -> "list[distca.DispatchPlan]":
+        """Plan this micro-batch's core attention: one ``cu_seqlens`` (the group's global layout)
+        per nano-batch, the same on every rank of the group."""
+        cus = list(cu_seqlens) if isinstance(cu_seqlens, (list, tuple)) else [cu_seqlens]
+        if len(cus) != self.nano_batches:
+            raise ValueError(
+                f"expected {self.nano_batches} cu_seqlens (one per nano-batch), got {len(cus)}: the data "
+                "loader and core_attention.nano_batches disagree"
+            )
+        self.plans = [self._prepare_one(cu) for cu in cus]
+        return self.plans
+
+    def _prepare_one(self, cu_seqlens: torch.Tensor) -> "distca.DispatchPlan":
         cu = torch.as_tensor(cu_seqlens).detach().reshape(-1).cpu()
         kw = dict(
             tolerance=self.cfg.tolerance, min_shard=self.cfg.min_shard,
@@ -116,7 +138,6 @@ class StepContext:
                 num_docs=p.layout.num_docs,
             )
         )
-        self.plan = dp
         return dp
 
     def pop_stats(self) -> tuple[list[StepStats], float | None, float | None]:
@@ -235,6 +256,80 @@ class CoreAttentionModule(nn.Module):
         return out.transpose(0, 1).unsqueeze(0)  # (1, Hq, T, D)
 
 
+# ---- nano-batches and ping-pong ----------------------------------------------------------------
+
+
+def _pre_attention(block: nn.Module, x: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor):
+    """llama3 ``TransformerBlock`` up to core attention: x (1, t, dim) -> q [t, Hq, D], k, v [t, Hkv, D].
+
+    The same ops as torchtitan 0.2.2's ``Attention.forward`` before ``inner_attention``
+    (RoPE by in-document ``positions``); -1 heads so tensor-parallel shards also fit.
+    """
+    from torchtitan.models.llama3.model.model import apply_rotary_emb
+
+    attn = block.attention
+    h = block.attention_norm(x)
+    bs, t, _ = h.shape
+    xq = attn.wq(h).view(bs, t, -1, attn.head_dim)
+    xk = attn.wk(h).view(bs, t, -1, attn.head_dim)
+    xv = attn.wv(h).view(bs, t, -1, attn.head_dim)
+    xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis, positions=positions)
+    return xq[0], xk[0], xv[0]
+
+
+def _post_attention(block: nn.Module, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """llama3 ``TransformerBlock`` after core attention: x (1, t, dim), o [t, Hq, D] -> (1, t, dim)."""
+    h = x + block.attention.wo(o.reshape(1, o.shape[0], -1))
+    return h + block.feed_forward(block.ffn_norm(h))
+
+
+@torch._dynamo.disable  # a Python schedule: torchtitan's per-block compile skips it; pre/post compile
+def _nano_block_forward(block, x, freqs_cis, attention_masks=None, positions=None):
+    """``TransformerBlock.forward`` over two nano-batches (rows [0, T/2) and [T/2, T) of x).
+
+    With ``pingpong`` each all-to-all of one nano-batch is in flight while the other
+    computes (the paper's tick table, kept inside one block so FSDP2's per-block
+    unshard/reshard and per-block compile stay as torchtitan has them)::
+
+        comm:     -        dispatch 0   dispatch 1   return 0     return 1
+        compute:  pre 0    pre 1        attn 0       attn 1       post 0     post 1
+
+    Without it the nano-batches run one after the other (same math, nothing hidden).
+    Backward mirrors the forward (see ``distca.pingpong``).
+    """
+    from distca import pingpong
+
+    ctx: StepContext = block._ca_context
+    if positions is None:
+        raise ValueError("nano-batches need in-document positions (the torchtitan_ext data loader yields them)")
+    if len(ctx.plans) != 2:
+        raise RuntimeError(f"nano_batches = 2 needs two plans for this step, got {len(ctx.plans)}")
+    t = x.shape[1] // 2
+    xs, ps = x.split(t, dim=1), positions.split(t, dim=1)
+    pre, post = ctx.pre_attention, ctx.post_attention
+    backend = None if ctx.cfg.backend == "auto" else ctx.cfg.backend
+    kw = dict(mode=ctx.cfg.mode, backend=backend)
+
+    def start(i):
+        return pingpong.start(*pre(block, xs[i], freqs_cis, ps[i]), plan=ctx.plans[i], **kw)
+
+    if ctx.cfg.pingpong:
+        f0 = start(0)
+        f1 = start(1)
+        pingpong.serve(f0)
+        pingpong.serve(f1)
+        y0 = post(block, xs[0], pingpong.finish(f0))
+        y1 = post(block, xs[1], pingpong.finish(f1))
+    else:
+        ys = []
+        for i in range(2):
+            f = start(i)
+            pingpong.serve(f)
+            ys.append(post(block, xs[i], pingpong.finish(f)))
+        y0, y1 = ys
+    return torch.cat([y0, y1], dim=1)
+
+
 # ---- mesh and converter ----------------------------------------------------------------------
 
 
@@ -297,7 +392,15 @@ class CoreAttentionConverter:
         name = cfg.cost_model
         if name == "auto":
             name = "h200" if torch.cuda.is_available() else "cpu"
-        self.context = StepContext(cfg=cfg, mesh=build_ca_mesh(parallel_dims, degree), degree=degree)
+        n_nano = nano_batches(cfg)
+        if n_nano > 1 and job_config.training.seq_len % n_nano:
+            raise ValueError(
+                f"core_attention.nano_batches={n_nano} needs training.seq_len divisible by it, "
+                f"got seq_len={job_config.training.seq_len}"
+            )
+        self.context = StepContext(
+            cfg=cfg, mesh=build_ca_mesh(parallel_dims, degree), degree=degree, nano_batches=n_nano
+        )
         self.context.cost_model = load_cost_model(name)
 
     def convert(self, model: nn.Module) -> None:
@@ -315,13 +418,23 @@ class CoreAttentionConverter:
         # In-document positions reach degree * seq_len - 1 (a document spanning the group);
         # init_weights() recomputes freqs_cis from max_seq_len after this.
         args.max_seq_len = max(args.max_seq_len, self.context.degree * self.job_config.training.seq_len)
+        ctx = self.context
+        if ctx.nano_batches > 1:
+            compiled = self.job_config.compile.enable and "model" in self.job_config.compile.components
+            # The schedule between the pieces is Python (collectives, waits); the pieces compile.
+            wrap = (lambda f: torch.compile(f, fullgraph=True)) if compiled else (lambda f: f)
+            ctx.pre_attention, ctx.post_attention = wrap(_pre_attention), wrap(_post_attention)
         n = 0
         for block in model.layers.values():
-            block.attention.inner_attention = CoreAttentionModule(self.context)
+            block.attention.inner_attention = CoreAttentionModule(ctx)
+            if ctx.nano_batches > 1:
+                block._ca_context = ctx
+                block.forward = types.MethodType(_nano_block_forward, block)
             n += 1
         logger.info(
-            "core_attention: %d attention layers use distca (CA group of %d ranks, policy %s, mode %s)",
-            n, self.context.degree, self.context.cfg.policy, self.context.cfg.mode,
+            "core_attention: %d attention layers use distca (CA group of %d ranks, policy %s, mode %s, "
+            "%d nano-batch(es)%s)",
+            n, ctx.degree, ctx.cfg.policy, ctx.cfg.mode, ctx.nano_batches, ", ping-pong" if ctx.cfg.pingpong else "",
         )  # fmt: skip
 
     def post_optimizer_hook(self, model) -> None:

@@ -359,14 +359,27 @@ class CAPackedDataset(IterableDataset, Stateful):
     stream; loading a state from a different dataset/seed/group/shape raises (no resharding).
     """
 
-    def __init__(self, stream: DocStream, *, group: int, ca_rank: int, ca_degree: int, seq_len: int, seed: int = 0):
-        for arg, v in (("ca_degree", ca_degree), ("seq_len", seq_len)):
+    def __init__(
+        self,
+        stream: DocStream,
+        *,
+        group: int,
+        ca_rank: int,
+        ca_degree: int,
+        seq_len: int,
+        seed: int = 0,
+        nano_batches: int = 1,
+    ):
+        for arg, v in (("ca_degree", ca_degree), ("seq_len", seq_len), ("nano_batches", nano_batches)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{arg} must be an integer >= 1, got {v!r}")
         if not 0 <= ca_rank < ca_degree:
             raise ValueError(f"ca_rank must be in [0, ca_degree={ca_degree}), got {ca_rank}")
+        if seq_len % nano_batches:
+            raise ValueError(f"seq_len={seq_len} must be a multiple of nano_batches={nano_batches}")
         self.stream = stream
         self.group, self.ca_rank, self.ca_degree, self.seq_len, self.seed = group, ca_rank, ca_degree, seq_len, seed
+        self.nano_batches = nano_batches
         self._state = StreamState()
         self._step = 0
 
@@ -378,15 +391,21 @@ class CAPackedDataset(IterableDataset, Stateful):
             "group": self.group,
             "ca_degree": self.ca_degree,
             "seq_len": self.seq_len,
+            "nano_batches": self.nano_batches,
         }
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        n, t = self.nano_batches, self.seq_len // self.nano_batches
         while True:
-            w = group_window(self.stream, self._state, self.ca_degree, self.seq_len)
+            parts, state = [], self._state
+            for _ in range(n):
+                w = group_window(self.stream, state, self.ca_degree, t)
+                parts.append(rank_batch(w, self.ca_rank, t))
+                state = w.next_state
             # Advance before yielding: a state_dict taken after this item resumes at the next one.
-            self._state = w.next_state
+            self._state = state
             self._step += 1
-            yield rank_batch(w, self.ca_rank, self.seq_len)
+            yield parts[0] if n == 1 else _join_nano_batches(parts)
 
     def state_dict(self) -> dict[str, Any]:
         return {"doc": self._state.doc, "offset": self._state.offset, "step": self._step, **self._identity()}
@@ -401,6 +420,21 @@ class CAPackedDataset(IterableDataset, Stateful):
             )
         self._state = StreamState(int(state_dict["doc"]), int(state_dict["offset"]))
         self._step = int(state_dict["step"])
+
+
+def _join_nano_batches(parts: list) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One rank's item from its nano-batch items: rows concatenated, one ``cu_seqlens`` key per nano-batch.
+
+    Nano-batch ``i`` holds rows ``[i*T/n, (i+1)*T/n)`` of the rank's ``[1, T]`` and its own group
+    window (``cu_seqlens`` for ``i = 0``, ``cu_seqlens_{i}`` after), so each is planned alone.
+    """
+    inputs = {
+        "input": torch.cat([p[0]["input"] for p in parts], dim=1),
+        "positions": torch.cat([p[0]["positions"] for p in parts], dim=1),
+    }
+    for i, p in enumerate(parts):
+        inputs["cu_seqlens" if i == 0 else f"cu_seqlens_{i}"] = p[0]["cu_seqlens"]
+    return inputs, torch.cat([p[1] for p in parts], dim=1)
 
 
 def load_tokenizer(path: str | Path = TOKENIZER_PATH):
@@ -421,6 +455,7 @@ def build_ca_dataloader(
     *,
     seed: int = 0,
     doc_scale: float | str = "auto",
+    nano_batches: int = 1,
 ):
     """torchtitan ``ParallelAwareDataloader`` over a ``CAPackedDataset`` for this rank.
 
@@ -436,6 +471,9 @@ def build_ca_dataloader(
         seq_len: T, tokens per rank per step.
         seed: shuffling (stdlib) / generation (synthetic) seed; every rank must pass the same.
         doc_scale: synthetic document-length multiplier or ``"auto"`` (see ``make_stream``).
+        nano_batches: n > 1 splits each step into n consecutive group windows of
+            ``ca_degree * seq_len / n`` tokens (ping-pong): the rank's row is its n slices
+            concatenated, with keys ``cu_seqlens``, ``cu_seqlens_1``, ... (one per window).
     """
     from dataclasses import asdict
 
@@ -478,13 +516,16 @@ def build_ca_dataloader(
         group=group,
         num_groups=num_groups,
         seed=seed,
-        window_tokens=ca_degree * seq_len,
+        window_tokens=ca_degree * seq_len,  # the same stream with or without nano-batches
         doc_scale=doc_scale,
     )
-    ds = CAPackedDataset(stream, group=group, ca_rank=ca_rank, ca_degree=ca_degree, seq_len=seq_len, seed=seed)
+    ds = CAPackedDataset(
+        stream, group=group, ca_rank=ca_rank, ca_degree=ca_degree, seq_len=seq_len, seed=seed,
+        nano_batches=nano_batches,
+    )  # fmt: skip
     logger.info(
-        "CA loader: dataset=%s group=%d/%d ca_rank=%d/%d seq_len=%d seed=%d",
-        name, group, num_groups, ca_rank, ca_degree, seq_len, seed,
+        "CA loader: dataset=%s group=%d/%d ca_rank=%d/%d seq_len=%d nano_batches=%d seed=%d",
+        name, group, num_groups, ca_rank, ca_degree, seq_len, nano_batches, seed,
     )
     # batch_size=None: items are already [1, T]; cu_seqlens differs in length per step.
     loader_kwargs["batch_size"] = None
