@@ -53,6 +53,23 @@ def fingerprint(*parts: object) -> int:
     return int.from_bytes(h.digest(), "little") >> 2
 
 
+def _collective_device(pg: dist.ProcessGroup, preferred: torch.device) -> torch.device:
+    """A device the group's backends can all-reduce on: ``preferred`` if supported, else CPU
+    (gloo), else the current CUDA device (an NCCL-only group cannot take CPU tensors).
+
+    Reads the group's registered device types, not ``get_backend(pg)``: that reads
+    'undefined' for groups a DeviceMesh created.
+    """
+    types = {torch.device(d).type for d in getattr(pg, "_device_types", ())}
+    if not types or preferred.type in types:
+        return preferred
+    if "cpu" in types:
+        return torch.device("cpu")
+    if "cuda" in types and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return preferred
+
+
 def agree(
     pg: dist.ProcessGroup, device: torch.device, local_error: str | None, fields: dict[str, int]
 ) -> None:
@@ -62,9 +79,7 @@ def agree(
     ints that must be equal across the group (sizes, hashes).
     """
     vals = list(fields.values())
-    # NCCL needs the data's device; on CPU (gloo) a CPU tensor. Not get_backend(pg):
-    # it reads 'undefined' for groups a DeviceMesh created.
-    dev = device if device.type == "cuda" else torch.device("cpu")
+    dev = _collective_device(pg, device)
     t = torch.tensor([1 if local_error else 0, *vals, *(-v for v in vals)], dtype=torch.int64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
     t = t.tolist()

@@ -1,0 +1,433 @@
+"""End-to-end training throughput with core attention disaggregation on vs off (torchtitan trainer).
+
+For each model shape and workload it launches ONE ``torchrun`` of torchtitan's trainer
+(``torchtitan_ext.train``: FSDP2, AdamW, the real loss and backward) on ``--ranks``
+processes x 1 thread, with two nano-batches per step, and cycles the step's
+configuration, so every configuration trains on the same batches in the same process:
+
+    off                 ``colocated`` plans: each rank attends to its own documents only,
+                        nothing is sent (plain packing with per-document attention)
+    distca              our planner, the two nano-batches one after the other
+    distca_pingpong     our planner, ping-pong (exchanges overlap the other nano-batch)
+    per_doc_cp          per-document head-tail context parallelism, ping-pong
+    distca_pingpong_keep   as distca_pingpong with servers keeping Q/K/V for backward
+
+Workloads (documents never cross a rank's row, so "off" is plain packing; the layout is
+defined per nano-batch window of ``T/2`` tokens per rank, and every configuration runs
+the same two windows per step):
+
+    skewed    rank 0: one document filling its row; other ranks: 256-token documents
+    prolong   ProLong lengths (``distca/data``), lengths scaled by T/131072 (the paper's
+              128K per-GPU budget mapped onto T), packed rank after rank with overflow
+              carried to the next row; a new draw per batch
+    uniform   512-token documents everywhere
+
+Per step and rank it records the step time (the trainer's), time in the attention
+kernels, host time blocked on CA exchanges (``distca.pingpong.exposed_seconds``), and
+peak memory (``VmHWM`` reset before every step, with glibc's mmap threshold pinned so
+freed tensors leave the resident set). The first cycle is warm-up; each later cycle is
+one repeat. ``speedup`` = tokens/s of ``distca_pingpong`` over ``off`` on the same batch.
+
+    python scripts/bench_train.py                    # table + PNGs, ~15-20 min on 2 cores
+    python scripts/bench_train.py --json             # one JSON object per line per (model, workload)
+    python scripts/bench_train.py --workloads skewed --models debug --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CONFIGS: dict[str, dict] = {
+    "off": dict(policy="colocated", pingpong=False, mode="resend"),
+    "distca": dict(policy="distca", pingpong=False, mode="resend"),
+    "distca_pingpong": dict(policy="distca", pingpong=True, mode="resend"),
+    "per_doc_cp": dict(policy="per_doc_cp", pingpong=True, mode="resend"),
+    "distca_pingpong_keep": dict(policy="distca", pingpong=True, mode="keep"),
+}
+HEADLINE = "distca_pingpong"
+WORKLOADS = ("skewed", "prolong", "uniform")
+MODELS = {
+    # torchtitan's llama3 debugmodel: dim 256, 6 layers, 16 heads (head dim 16)
+    "debug": dict(flavor="debugmodel", tokens_per_rank=8192),
+    # a shape with Llama's head dim (64) and GQA, where linear layers are a realistic share
+    "wide": dict(flavor="bench_wide", tokens_per_rank=4096),
+}
+SHORT_DOC, UNIFORM_DOC, PROLONG_BUDGET = 256, 512, 131072
+VOCAB = 2048  # both flavors
+_MiB = 1 << 20
+
+
+# ---- workloads (pure) ----------------------------------------------------------------------------
+
+
+def rank_docs(workload: str, ranks: int, t: int, batch: int, nano: int, seed: int = 0) -> list[list[int]]:
+    """Document lengths per rank for one nano-batch window (each rank's lengths sum to ``t``)."""
+    if workload == "skewed":
+        return [[t]] + [[SHORT_DOC] * (t // SHORT_DOC) + ([t % SHORT_DOC] if t % SHORT_DOC else [])] * (ranks - 1)
+    if workload == "uniform":
+        return [[UNIFORM_DOC] * (t // UNIFORM_DOC) + ([t % UNIFORM_DOC] if t % UNIFORM_DOC else [])] * ranks
+    if workload != "prolong":
+        raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
+    from distca.doclens import load_doclens
+
+    lens = load_doclens("prolong")
+    rng = np.random.default_rng([seed, batch, nano])
+    scale = 2 * t / PROLONG_BUDGET
+    rows, row, room, carry = [], [], t, 0
+    while len(rows) < ranks:
+        n = carry or max(1, int(round(float(lens[rng.integers(lens.size)]) * scale)))
+        take = min(n, room)
+        row.append(take)
+        room -= take
+        carry = n - take  # the rest of a cut document opens the next row
+        if room == 0:
+            rows.append(row)
+            row, room = [], t
+    return rows
+
+
+def _cu(docs: list[list[int]]) -> list[int]:
+    return np.concatenate([[0], np.cumsum([d for row in docs for d in row])]).astype(int).tolist()
+
+
+# ---- worker (runs under torchrun) ---------------------------------------------------------------
+
+
+def _worker(args: argparse.Namespace) -> None:
+    from torchtitan_ext import _compat
+
+    _compat.apply()
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import IterableDataset
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.models.llama3 import TransformerModelArgs
+    from torchtitan.protocols import train_spec as ts
+    from torchtitan.train import main
+
+    import distca
+    import distca.kernels as K
+    from torchtitan_ext import train as tt
+
+    configs = args.configs.split(",")
+    rank_env = int(os.environ["RANK"])
+
+    class Workload(IterableDataset):
+        """Step s trains batch (s-1) // len(configs), so every configuration sees the same batches."""
+
+        def __init__(self, rank, ranks, T, vocab):
+            self.rank, self.ranks, self.T, self.vocab = rank, ranks, T, vocab
+
+        def __iter__(self):
+            t, step = self.T // 2, 0
+            while True:
+                batch = step // len(configs)
+                parts = []
+                for nano in range(2):
+                    docs = rank_docs(args.workload, self.ranks, t, batch, nano, args.seed)
+                    g = torch.Generator().manual_seed(batch * 2 + nano)
+                    toks = torch.randint(0, self.vocab, (self.ranks * t,), generator=g)
+                    cu = _cu(docs)
+                    pos = torch.cat([torch.arange(n) for row in docs for n in row])
+                    lab = torch.roll(toks, -1)
+                    lab[torch.tensor(cu[1:]) - 1] = -100  # no label across documents
+                    sl = slice(self.rank * t, (self.rank + 1) * t)
+                    parts.append((toks[sl], pos[sl], lab[sl], torch.tensor(cu)))
+                inputs = {
+                    "input": torch.cat([p[0] for p in parts])[None],
+                    "positions": torch.cat([p[1] for p in parts])[None],
+                    "cu_seqlens": parts[0][3],
+                    "cu_seqlens_1": parts[1][3],
+                }
+                yield inputs, torch.cat([p[2] for p in parts])[None]
+                step += 1
+
+    def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, **kw):
+        ds = Workload(dp_rank, dp_world_size, job_config.training.seq_len, VOCAB)
+        return ParallelAwareDataloader(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=None)
+
+    # Time the attention kernels (the servers' work) without touching the library.
+    kt = {"fwd": 0.0, "bwd": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                kt[name] += time.perf_counter() - t0
+
+        return wrapper
+
+    K.varlen_attn_forward = timed("fwd", K.varlen_attn_forward)
+    K.varlen_attn_backward = timed("bwd", K.varlen_attn_backward)
+
+    # "llama3_ca" as torchtitan_ext registers it, with the bench's loader and one more flavor.
+    spec = ts.get_train_spec("llama3")
+    flavors = dict(spec.model_args)
+    flavors["bench_wide"] = TransformerModelArgs(
+        dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=VOCAB, rope_theta=500000
+    )
+    spec = dataclasses.replace(
+        spec, model_args=flavors, build_dataloader_fn=build_dataloader, parallelize_fn=tt.parallelize
+    )
+    ts.register_train_spec(tt.TRAIN_SPEC, spec)
+
+    def rss(field: str) -> float:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024 / _MiB
+        return float("nan")
+
+    rows: list[dict] = []
+
+    class BenchTrainer(tt.CoreAttentionTrainer):
+        def post_dataloading_process(self, input_dict, labels):
+            name = configs[(self.step - 1) % len(configs)]
+            for k, v in CONFIGS[name].items():
+                setattr(self.ca.cfg, k, v)
+            out = super().post_dataloading_process(input_dict, labels)
+            plans = [p.plan for p in self.ca.plans]
+            kw = dict(shape=plans[0].shape, cost_model=plans[0].cost_model)
+            self._bench = {
+                "config": name,
+                "loads": np.sum([p.loads for p in plans], axis=0).tolist(),
+                "loads_colocated": np.sum([distca.plan(p.layout, "colocated", **kw).loads for p in plans], axis=0).tolist(),
+                "fwd_bytes_per_layer": int(sum(p.traffic.total_bytes for p in plans)),
+            }
+            return out
+
+        def train_step(self, data_iterator):
+            try:  # reset the peak resident set (Linux >= 4.0)
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                pass
+            base = rss("VmRSS")
+            kt["fwd"] = kt["bwd"] = 0.0
+            t0 = time.perf_counter()
+            super().train_step(data_iterator)
+            dt = time.perf_counter() - t0
+            rows.append(
+                {
+                    **self._bench, "step": self.step, "batch": (self.step - 1) // len(configs), "rank": rank_env,
+                    "seconds": dt, "attn_fwd_s": kt["fwd"], "attn_bwd_s": kt["bwd"],
+                    "exposed_comm_s": self.run_stats.rows[-1].get("ca/exposed_comm_s", 0.0), "rss_base_MiB": base, "rss_peak_MiB": rss("VmHWM"),
+                }
+            )  # fmt: skip
+
+        def close(self):
+            out = Path(args.out) / f"rank{rank_env}.json"
+            out.write_text(json.dumps(rows))
+            super().close()
+
+    main(BenchTrainer)
+
+
+# ---- parent: launch, aggregate, report -------------------------------------------------------------
+
+
+def _launch(model: str, workload: str, args: argparse.Namespace, out: Path) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    spec = MODELS[model]
+    T = args.tokens_per_rank or spec["tokens_per_rank"]
+    steps = len(args.configs) * (args.repeats + 1)
+    # torchtitan parses the worker's argv (its ConfigManager binds sys.argv at import);
+    # the bench's own settings travel in the environment.
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
+        "--local-ranks-filter", "0", __file__,
+        "--job.config_file", str(ROOT / "train_configs/debug_cpu.toml"),
+        "--model.name", "llama3_ca", "--model.flavor", spec["flavor"],
+        "--model.hf_assets_path", str(ROOT / "torchtitan_ext/assets/tokenizer"),
+        "--training.seq_len", str(T), "--training.steps", str(steps),
+        "--training.dataset", "synthetic_pretrain", "--core_attention.nano_batches", "2",
+        "--metrics.log_freq", "1000", "--job.dump_folder", str(out / "titan"),
+        "--lr_scheduler.warmup_steps", "1", "--debug.seed", "0",
+        *(["--compile.enable"] if args.compile else []),
+    ]  # fmt: skip
+    worker = dict(workload=workload, configs=",".join(args.configs), out=str(out), seed=args.seed)
+    # One thread per rank; a fixed mmap threshold makes freed tensors leave the resident set,
+    # so the per-step VmHWM is the step's real peak.
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072", PYTHONPATH=str(ROOT),
+        DISTCA_BENCH_WORKER=json.dumps(worker),
+    )  # fmt: skip
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=args.timeout)
+    (out / "log.txt").write_text(r.stdout + r.stderr)
+    if r.returncode != 0:
+        raise RuntimeError(f"{model}/{workload} failed (exit {r.returncode}); log: {out / 'log.txt'}\n{(r.stdout + r.stderr)[-3000:]}")
+    rows = []
+    for rk in range(args.ranks):
+        rows += json.loads((out / f"rank{rk}.json").read_text())
+    return rows
+
+
+def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, configs: list[str]) -> dict:
+    """Aggregate the per-step rows of one launch (pure)."""
+    by = {}  # (config, batch) -> [row per rank]
+    for r in rows:
+        by.setdefault((r["config"], r["batch"]), []).append(r)
+    batches = sorted({b for _, b in by if b > 0})  # batch 0 is warm-up
+    tokens = T * ranks
+
+    def step_s(c, b):
+        return max(r["seconds"] for r in by[(c, b)])  # the slowest rank's step
+
+    per = {}
+    for c in configs:
+        rs = [r for b in batches for r in by[(c, b)]]
+        ratios = [step_s("off", b) / step_s(c, b) for b in batches] if "off" in configs else []
+        per_rank = lambda key: [statistics.median(r[key] for r in rs if r["rank"] == k) for k in range(ranks)]  # noqa: E731
+        attn = [a + b for a, b in zip(per_rank("attn_fwd_s"), per_rank("attn_bwd_s"))]
+        peak = [p - b for p, b in zip(per_rank("rss_peak_MiB"), per_rank("rss_base_MiB"))]
+        total = per_rank("rss_peak_MiB")
+        per[c] = {
+            "tokens_per_s_median": tokens / statistics.median(step_s(c, b) for b in batches),
+            "step_s_median": statistics.median(step_s(c, b) for b in batches),
+            "speedup_vs_off": [min(ratios), statistics.median(ratios), max(ratios)] if ratios else None,
+            "attention_s_per_rank": attn,
+            "exposed_comm_s_per_rank": per_rank("exposed_comm_s"),
+            "step_peak_MiB_per_rank": peak,
+            "step_peak_ratio": max(peak) / statistics.mean(peak),
+            "peak_rss_MiB_per_rank": total,
+            "peak_rss_ratio": max(total) / statistics.mean(total),
+            "modelled_loads_per_rank": np.mean([r["loads"] for r in rs if r["rank"] == 0], axis=0).tolist(),
+            "modelled_loads_colocated": np.mean([r["loads_colocated"] for r in rs if r["rank"] == 0], axis=0).tolist(),
+            "fwd_MiB_per_layer": statistics.median(r["fwd_bytes_per_layer"] for r in rs) / _MiB,
+        }
+    head = per.get(HEADLINE, {}).get("speedup_vs_off") or [float("nan")] * 3
+    loads0 = per[configs[0]]["modelled_loads_colocated"]
+    loads1 = per.get(HEADLINE, per[configs[-1]])["modelled_loads_per_rank"]
+    return {
+        "workload": workload,
+        "model": model,
+        "tokens_per_rank": T,
+        "ranks": ranks,
+        "cad_config": HEADLINE,
+        "speedup_median": head[1],
+        "speedup_min": head[0],
+        "speedup_max": head[2],
+        "repeats": len(batches),
+        "imbalance_before": max(loads0) / statistics.mean(loads0),
+        "imbalance_after": max(loads1) / statistics.mean(loads1),
+        "configs": per,
+    }
+
+
+def plot(summary: dict, path: Path) -> None:
+    """Per-rank attention load before/after planning, and a time breakdown per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per = summary["configs"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    R = summary["ranks"]
+    x = np.arange(R)
+    base, after = per[next(iter(per))]["modelled_loads_colocated"], per.get(HEADLINE, next(iter(per.values())))
+    a1.bar(x - 0.2, base, 0.4, label="before (colocated), modelled")
+    a1.bar(x + 0.2, after["modelled_loads_per_rank"], 0.4, label=f"after ({HEADLINE}), modelled")
+    a1.set_xticks(x, [f"rank {r}" for r in range(R)])
+    a1.set_ylabel("CA seconds per step (cost model, one layer)")
+    a1.set_title("attention load per rank")
+    a1.legend(fontsize=8)
+    names = list(per)
+    seq_comm = max(per["distca"]["exposed_comm_s_per_rank"]) if "distca" in per else 0.0
+    attn = [max(per[c]["attention_s_per_rank"]) for c in names]
+    exposed = [max(per[c]["exposed_comm_s_per_rank"]) for c in names]
+    step = [per[c]["step_s_median"] for c in names]
+    other = [max(0.0, s - a - e) for s, a, e in zip(step, attn, exposed)]
+    y = np.arange(len(names))
+    a2.barh(y, attn, label="attention kernels (max rank)")
+    a2.barh(y, other, left=attn, label="linear + rest")
+    a2.barh(y, exposed, left=np.add(attn, other), label="exposed CA communication")
+    if seq_comm:
+        a2.axvline(seq_comm, color="k", ls=":", lw=1, label=f"CA communication, not overlapped ({seq_comm:.2f} s)")
+    a2.set_yticks(y, names)
+    a2.set_xlabel("seconds per step (median)")
+    a2.set_title("time breakdown")
+    a2.legend(fontsize=7, loc="lower right")
+    fig.suptitle(
+        f"{summary['model']} / {summary['workload']}: {summary['ranks']} ranks x {summary['tokens_per_rank']} tokens, "
+        f"{HEADLINE} vs off {summary['speedup_median']:.2f}x (min {summary['speedup_min']:.2f}, max {summary['speedup_max']:.2f})"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--tokens-per-rank", type=int, default=None, help="T (default: per model, see MODELS)")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="measured cycles (batches) after one warm-up cycle")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="train with --compile.enable (the pieces around attention)")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per launch")
+    p.add_argument("--out", default=str(ROOT / "outputs/bench_train"))
+    p.add_argument("--json", action="store_true", help="one JSON object per line per (model, workload)")
+    a = p.parse_args(argv)
+    if "off" not in a.configs:
+        p.error("--configs must include 'off' (the baseline of every speedup)")
+    if a.repeats < 1 or a.ranks < 2:
+        p.error("--repeats must be >= 1 and --ranks >= 2")
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    if "DISTCA_BENCH_WORKER" in os.environ:
+        return _worker(argparse.Namespace(**json.loads(os.environ["DISTCA_BENCH_WORKER"])))
+    args = _parse(argv)
+    cmd = "python scripts/bench_train.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    for model in args.models:
+        for workload in args.workloads:
+            out = Path(args.out) / f"{model}_{workload}"
+            t0 = time.perf_counter()
+            rows = _launch(model, workload, args, out)
+            T = args.tokens_per_rank or MODELS[model]["tokens_per_rank"]
+            s = summarize(rows, model, workload, T, args.ranks, args.configs)
+            s["command"], s["wall_s"] = cmd, round(time.perf_counter() - t0, 1)
+            png = out / "bench_train.png"
+            try:
+                plot(s, png)
+                s["png"] = str(png)
+            except Exception as e:  # plotting is a convenience; the numbers are the result
+                s["png_error"] = repr(e)
+            (out / "summary.json").write_text(json.dumps(s, indent=1))
+            if args.json:
+                print(json.dumps(s), flush=True)
+            else:
+                print(f"\n{model} / {workload}: T={T} x {args.ranks} ranks, {s['repeats']} repeats, {s['wall_s']} s; "
+                      f"modelled CA imbalance {s['imbalance_before']:.2f} -> {s['imbalance_after']:.2f}")  # fmt: skip
+                print(f"  {'config':22} {'tok/s':>8} {'speedup (min/med/max)':>24} {'attn s/rank':>18} "
+                      f"{'exposed s':>10} {'step peak MiB/rank':>22}")  # fmt: skip
+                for c, v in s["configs"].items():
+                    sp = "/".join(f"{x:.2f}" for x in v["speedup_vs_off"])
+                    print(f"  {c:22} {v['tokens_per_s_median']:8.0f} {sp:>24} "
+                          f"{'/'.join(f'{x:.2f}' for x in v['attention_s_per_rank']):>18} "
+                          f"{max(v['exposed_comm_s_per_rank']):10.3f} "
+                          f"{'/'.join(f'{x:.0f}' for x in v['step_peak_MiB_per_rank']):>22}")  # fmt: skip
+                print(f"  PNG: {s.get('png', s.get('png_error'))}")
+
+
+if __name__ == "__main__":
+    main()
