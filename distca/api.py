@@ -144,9 +144,18 @@ def _meta_on(entry: _Entry, device: torch.device) -> DispatchMeta:
 # ---- transport helpers (eager; called only from the mutating ops below) ------------------
 
 
+def _row_bytes(p: torch.Tensor) -> torch.Tensor:
+    """[N, ...] as [N, bytes] uint8. A size-1 last dim may carry any stride and still count as
+    contiguous (lse.t() with one head), but a byte view needs stride 1: copy then."""
+    x = p.reshape(p.shape[0], math.prod(p.shape[1:])).contiguous()
+    if x.shape[1] > 0 and x.stride(1) != 1:
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x.view(torch.uint8)
+
+
 def _pack(*parts: torch.Tensor) -> torch.Tensor:
     """Concatenate row-aligned tensors [N, ...] of possibly different dtypes into one [N, bytes] uint8."""
-    return torch.cat([p.reshape(p.shape[0], math.prod(p.shape[1:])).contiguous().view(torch.uint8) for p in parts], dim=1)
+    return torch.cat([_row_bytes(p) for p in parts], dim=1)
 
 
 def _unpack(buf: torch.Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
@@ -252,13 +261,14 @@ def _core_attention_fwd(
         qs, ks, vs, m.cu_seqlens_q, m.cu_seqlens_k, m.max_seqlen_q, m.max_seqlen_k, softmax_scale, True, kernel_backend
     )
     o_home, l_home = _return_q_rows(m, pg, o, l.t())  # [T, Hq, D], [T, Hq]
+    out, lse = _owned_dense(o_home), _owned_dense(l_home.t())
     if ca_mode == "keep":
         sid = next(_STASH_IDS)
         entry.stash[sid] = (qs, ks, vs, o, l)
         stash_id.fill_(sid)
-        if o_home is o:  # every row local and in order: do not hand out the stashed tensor
-            o_home = o.clone(memory_format=torch.contiguous_format)
-    return _owned_dense(o_home), _owned_dense(l_home.t())
+        if out is o:  # the stash keeps o: hand out a copy (not today: O and LSE travel packed)
+            out = o.clone()
+    return out, lse
 
 
 @_core_attention_fwd.register_fake
@@ -287,7 +297,13 @@ def _core_attention_bwd(
     entry = _entry(handle)
     m, pg = _meta_on(entry, q.device), entry.group
     if ca_mode == "keep":
-        qs, ks, vs, o, l = entry.stash.pop(int(stash_id.reshape(-1)[0]))
+        sid = int(stash_id.reshape(-1)[0])
+        if sid not in entry.stash:
+            raise RuntimeError(
+                f'core_attention mode="keep": no server tensors stashed for this backward (stash id {sid}); '
+                "a recomputed forward (activation checkpointing) does not stash them again: use mode=\"resend\""
+            )
+        qs, ks, vs, o, l = entry.stash.pop(sid)
         (do,) = _send_q_rows(m, pg, dout)
     else:
         # Stateless server: home re-sends what the backward needs (q, out, dout, lse; K and V).

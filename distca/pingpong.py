@@ -102,22 +102,58 @@ class Flight:
     inputs: tuple = ()
     """keep mode: the server's (q, k, v, out, lse) between forward and backward."""
 
+    # ---- transport: row-aligned parts, packed into one message; nothing moves for local plans ----
+
+    def _send_rows(self, parts: tuple[torch.Tensor, ...], send: tuple[int, ...], recv: tuple[int, ...]) -> dict:
+        m = self.meta
+        if m.local_only:  # every row stays here: no packing, no copies
+            return {"parts": list(parts), "work": None}
+        if len(parts) == 1:
+            buf, w = start_all_to_all_rows(parts[0], send, recv, self.group)
+            return {"buf": buf, "work": w}
+        specs = [(tuple(p.shape[1:]), p.dtype) for p in parts]
+        buf, w = start_all_to_all_rows(_pack(*parts), send, recv, self.group)
+        return {"buf": buf, "specs": specs, "work": w}
+
+    @staticmethod
+    def _recv_rows(msg: dict) -> list[torch.Tensor]:
+        _wait([msg["work"]])
+        if "parts" in msg:
+            return msg["parts"]
+        return _unpack(msg["buf"], msg["specs"]) if "specs" in msg else [msg["buf"]]
+
+    def _send_kv(self, k: torch.Tensor, v: torch.Tensor) -> dict:
+        m = self.meta
+        if m.local_only:
+            return {"parts": [m.take(k, "kv_send_idx"), m.take(v, "kv_send_idx")], "work": None}
+        kv = m.take(torch.cat([k, v], dim=1), "kv_send_idx")  # one message, [rows, 2 Hkv, D]
+        buf, w = start_all_to_all_rows(kv, m.kv_send_splits, m.kv_recv_splits, self.group)
+        return {"buf": buf, "work": w}
+
+    def _recv_kv(self, msg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kernel KV rows [Nk, Hkv, D] (a received row repeats for each task that needs it)."""
+        m = self.meta
+        _wait([msg["work"]])
+        if "parts" in msg:
+            k, v = msg["parts"]
+            return m.take(k, "kv_task_idx"), m.take(v, "kv_task_idx")
+        kv = m.take(msg["buf"], "kv_task_idx")
+        return kv[:, : self.kv_heads], kv[:, self.kv_heads :]  # views: the kernels take strided rows
+
     # ---- forward phases ----------------------------------------------------------------------
 
     def _dispatch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        m, pg = self.meta, self.group
-        qb, wq = start_all_to_all_rows(m.take(q, "q_send_idx"), m.q_send_splits, m.q_recv_splits, pg, m.local_only)
-        kv = m.take(torch.cat([k, v], dim=1), "kv_send_idx")
-        kvb, wkv = start_all_to_all_rows(kv, m.kv_send_splits, m.kv_recv_splits, pg, m.local_only)
-        self.fwd = {"q": qb, "kv": kvb, "works": [wq, wkv]}
+        m = self.meta
+        self.fwd = {
+            "q": self._send_rows((m.take(q, "q_send_idx"),), m.q_send_splits, m.q_recv_splits),
+            "kv": self._send_kv(k, v),
+        }
 
     def _serve(self) -> None:
         m, f = self.meta, self.fwd
-        _wait(f["works"])
-        hkv = self.kv_heads
-        qs = m.take(f["q"], "q_recv_to_task")
-        kv = m.take(f["kv"], "kv_task_idx")
-        ks, vs = kv[:, :hkv], kv[:, hkv:]
+        (qs,) = self._recv_rows(f["q"])
+        qs = m.take(qs, "q_recv_to_task")
+        ks, vs = self._recv_kv(f["kv"])
         o, l = kernels.varlen_attn_forward(
             qs, ks, vs, m.cu_seqlens_q, m.cu_seqlens_k, m.max_seqlen_q, m.max_seqlen_k,
             self.softmax_scale, True, self.backend,
@@ -125,37 +161,31 @@ class Flight:
         if self.mode == "keep":
             self.stash = (qs, ks, vs, o, l)
         parts = (m.take(o, "q_task_to_recv"), m.take(l.t(), "q_task_to_recv"))
-        specs = [(tuple(p.shape[1:]), p.dtype) for p in parts]
-        buf, w = start_all_to_all_rows(_pack(*parts), m.q_recv_splits, m.q_send_splits, self.group, m.local_only)
-        self.fwd = {"ret": buf, "specs": specs, "works": [w]}
+        self.fwd = {"ret": self._send_rows(parts, m.q_recv_splits, m.q_send_splits)}
 
     def _land(self) -> tuple[torch.Tensor, torch.Tensor]:
-        m, f = self.meta, self.fwd
-        _wait(f["works"])
-        o, lt = (m.take(y, "q_send_inv") for y in _unpack(f["ret"], f["specs"]))
+        m = self.meta
+        o, lt = (m.take(y, "q_send_inv") for y in self._recv_rows(self.fwd["ret"]))
         self.fwd = {}
-        return o, lt.t().contiguous()
+        return o.contiguous(), lt.t().contiguous()
 
     # ---- backward phases (mirrored) ----------------------------------------------------------
 
     def _dispatch_bwd(self, dout, q, k, v, out, lse) -> None:
-        m, pg = self.meta, self.group
+        m = self.meta
         if self.mode == "keep":
             parts = (m.take(dout, "q_send_idx"),)
-            kvb, wkv = None, None
         else:
             # Stateless servers: home re-sends what the backward needs (q, out, dout, lse; K and V).
             parts = tuple(m.take(x, "q_send_idx") for x in (q, out, dout, lse.t()))
-            kv = m.take(torch.cat([k, v], dim=1), "kv_send_idx")
-            kvb, wkv = start_all_to_all_rows(kv, m.kv_send_splits, m.kv_recv_splits, pg, m.local_only)
-        specs = [(tuple(p.shape[1:]), p.dtype) for p in parts]
-        qb, wq = start_all_to_all_rows(_pack(*parts), m.q_send_splits, m.q_recv_splits, pg, m.local_only)
-        self.bwd = {"q": qb, "kv": kvb, "specs": specs, "works": [wq, wkv]}
+        self.bwd = {
+            "q": self._send_rows(parts, m.q_send_splits, m.q_recv_splits),
+            "kv": None if self.mode == "keep" else self._send_kv(k, v),
+        }
 
     def _serve_bwd(self) -> None:
         m, b = self.meta, self.bwd
-        _wait(b["works"])
-        rows = [m.take(y, "q_recv_to_task") for y in _unpack(b["q"], b["specs"])]
+        rows = [m.take(y, "q_recv_to_task") for y in self._recv_rows(b["q"])]
         if self.mode == "keep":
             qs, ks, vs, o, l = self.stash
             self.stash = ()
@@ -163,23 +193,27 @@ class Flight:
         else:
             qs, o, do, lt = rows
             l = lt.t().contiguous()
-            hkv = self.kv_heads
-            kv = m.take(b["kv"], "kv_task_idx")
-            ks, vs = kv[:, :hkv], kv[:, hkv:]
+            ks, vs = self._recv_kv(b["kv"])
         dqs, dks, dvs = kernels.varlen_attn_backward(
             do.contiguous(), qs, ks, vs, o.contiguous(), l, m.cu_seqlens_q, m.cu_seqlens_k,
             m.max_seqlen_q, m.max_seqlen_k, self.softmax_scale, True, self.backend,
         )  # fmt: skip
-        pg = self.group
-        dqb, wq = start_all_to_all_rows(m.take(dqs, "q_task_to_recv"), m.q_recv_splits, m.q_send_splits, pg, m.local_only)
-        dkvb, wkv = start_all_to_all_rows(_dkv_unique(m, dks, dvs), m.kv_recv_splits, m.kv_send_splits, pg, m.local_only)
-        self.bwd = {"dq": dqb, "dkv": dkvb, "works": [wq, wkv]}
+        dq = self._send_rows((m.take(dqs, "q_task_to_recv"),), m.q_recv_splits, m.q_send_splits)
+        if m.local_only and {"kv_task_idx", "kv_send_idx"} <= m.identity:
+            dkv = {"parts": [dks, dvs], "work": None}  # every KV row used once, in place: no sums
+        else:
+            dkv = self._send_rows((_dkv_unique(m, dks, dvs),), m.kv_recv_splits, m.kv_send_splits)
+        self.bwd = {"dq": dq, "dkv": dkv}
 
     def _land_bwd(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         m, b = self.meta, self.bwd
-        _wait(b["works"])
-        dq = m.take(b["dq"], "q_send_inv")
-        dk, dv = _dkv_home(m, b["dkv"], m.tokens_per_rank)
+        (dq,) = self._recv_rows(b["dq"])
+        dq = m.take(dq, "q_send_inv")
+        back = self._recv_rows(b["dkv"])
+        if len(back) == 2:
+            dk, dv = back
+        else:
+            dk, dv = _dkv_home(m, back[0], m.tokens_per_rank)
         self.bwd = {}
         return dq, dk.to(self.dtype), dv.to(self.dtype)
 

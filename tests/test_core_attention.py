@@ -61,6 +61,8 @@ def _cases(world, rng):
             hq, hkv = [(4, 2), (4, 4), (4, 1)][(i + j) % 3]
             cases.append((cu, T, hq, hkv, 16, policy, mode, torch.float32))
     cases.append((layouts[2], T, 4, 2, 16, "distca", "resend", torch.bfloat16))
+    for mode in ("resend", "keep"):  # one head: lse.t() is [N, 1] with stride N (a byte view needs a copy)
+        cases.append((layouts[2], T, 1, 1, 16, "distca", mode, torch.float32))
     return cases
 
 
@@ -209,3 +211,30 @@ def test_compiled_matches_eager_without_recompiles(mode):
     for worst, graphs in res:
         assert worst < 1e-4
         assert graphs == 1, f"{graphs} graphs compiled over 5 steps with different layouts"
+
+
+def _opcheck_worker(rank, world):
+    """``torch.library.opcheck`` of the forward op on a real exchange (both documents cut over ranks)."""
+    import distca
+
+    checked = []
+    for T, hq, hkv, mode in ((48, 4, 2, "resend"), (48, 4, 2, "keep"), (1, 2, 1, "resend")):
+        dp = distca.prepare([0, T + T // 2, 2 * T] if T > 1 else [0, 2], policy="per_doc_cp", min_shard=1)
+        g = torch.Generator().manual_seed(T)
+        q, k, v = (torch.randn(T, h, 8, generator=g) for h in (hq, hkv, hkv))
+        stash_id = torch.zeros(1, dtype=torch.int64)
+        args = (stash_id, q, k, v, dp.handle, 0.3, mode, "cpu")
+        torch.library.opcheck(torch.ops.distca.core_attention_fwd.default, args)  # raises on a bad fake/schema
+        out, lse = torch.ops.distca.core_attention_fwd(*args)
+        # The real strides are the fake's (row-major), and the outputs share no storage.
+        assert out.shape == (T, hq, 8) and out.stride() == (hq * 8, 8, 1), out.stride()
+        assert lse.shape == (hq, T) and lse.dtype == torch.float32 and lse.stride() == (T, 1), lse.stride()
+        assert out.untyped_storage().data_ptr() != lse.untyped_storage().data_ptr()
+        assert (int(stash_id) > 0) == (mode == "keep")
+        checked.append((T, hq, mode))
+    return checked
+
+
+@pytest.mark.slow
+def test_forward_op_opcheck_and_real_strides():
+    assert all(len(c) == 3 for c in run_workers(_opcheck_worker, 2, timeout=180))

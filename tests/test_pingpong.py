@@ -66,16 +66,21 @@ def _pingpong_worker(rank, world, mode, layouts, T, dtype):
     loss.backward()
     got = [(o0.detach(), q0.grad, k0.grad, v0.grad), (o1.detach(), q1.grad, k1.grad, v1.grad)]
     diffs = [max((a - b).abs().max().item() for a, b in zip(r, g_)) for r, g_ in zip(ref, got)]
-    return diffs, fwd_events, [(n, tag[i]) for n, i in events], pingpong.exposed_seconds()
+    local = [f.meta.local_only for f in (f0, f1)]
+    return diffs, fwd_events, [(n, tag[i]) for n, i in events], pingpong.exposed_seconds(), local
 
 
 LAYOUTS_2 = ([0, 5, 40, 64], [0, 64])  # nano 0: a document across ranks; nano 1: one document over both ranks
 
 
-@pytest.mark.parametrize("mode", ["resend", "keep"])
-def test_pingpong_equals_core_attention_and_mirrors_backward(mode):
-    results = run_workers(_pingpong_worker, 2, mode, LAYOUTS_2, 32, torch.float32, timeout=120)
-    for diffs, fwd, bwd, exposed in results:
+LOCAL_2 = ([0, 16, 32, 48, 64], [0, 32, 64])  # no document crosses a rank: nothing moves
+
+
+@pytest.mark.parametrize("mode, layouts", [("resend", LAYOUTS_2), ("keep", LAYOUTS_2), ("resend", LOCAL_2)])
+def test_pingpong_equals_core_attention_and_mirrors_backward(mode, layouts):
+    results = run_workers(_pingpong_worker, 2, mode, layouts, 32, torch.float32, timeout=120)
+    for diffs, fwd, bwd, exposed, local in results:
+        assert local == ([True, True] if layouts is LOCAL_2 else [False, False])
         # Same kernels, same summation order: bit-identical, not just close.
         assert diffs == [0.0, 0.0], diffs
         assert fwd == [("_dispatch", 0), ("_dispatch", 1), ("_serve", 0), ("_serve", 1), ("_land", 0), ("_land", 1)]

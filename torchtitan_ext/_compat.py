@@ -1,14 +1,18 @@
-"""Every torchtitan 0.2.2 start-up patch for CPU-only machines, in one place.
+"""Every torchtitan 0.2.2 patch, in one place: CPU start-up fixes and the SAC save list.
 
 torchtitan 0.2.2 assumes CUDA and triton. On a machine without CUDA five
 things break at start-up (measured with torch 2.13 CPU; the list and the
 traces are in the project's platform notes, section 6). :func:`apply` fixes
-them from outside the package; nothing in site-packages is edited.
+them from outside the package; nothing in site-packages is edited. Each of
+these is applied only when it is needed (no CUDA; the triton stub only when
+triton is missing).
 
-Each patch is applied only when it is needed (no CUDA; the triton stub only
-when triton is missing), at most once (a second :func:`apply` is a no-op), and
-:func:`applied` reports which ones are active. On a CUDA machine :func:`apply`
-changes nothing.
+One patch is not a workaround and is applied on every machine:
+``"sac_save_core_attention"`` adds distca's core-attention op to llama3's
+op-level selective activation checkpointing save list (patch 6).
+
+Every patch is applied at most once (a second :func:`apply` is a no-op), and
+:func:`applied` reports which ones are active.
 
 Call :func:`apply` before the first ``import torchtitan...``: torchtitan binds its
 device type at import time (patch 2).
@@ -26,7 +30,10 @@ import torch
 
 __all__ = ["apply", "applied", "PATCHES"]
 
-PATCHES = ("triton_stub", "cpu_device_type", "cpu_memory_monitor", "gloo_fsdp_sum", "cpu_pg_timeouts")
+PATCHES = (
+    "triton_stub", "cpu_device_type", "cpu_memory_monitor", "gloo_fsdp_sum", "cpu_pg_timeouts",
+    "sac_save_core_attention",
+)  # fmt: skip
 """Names of the patches, in the order they are applied."""
 
 _applied: set[str] = set()
@@ -52,6 +59,10 @@ def apply() -> frozenset[str]:
             if name not in _applied:
                 fn()
                 _applied.add(name)
+    # Every machine, and last: it imports torchtitan, which must see the device type bound above.
+    if "sac_save_core_attention" not in _applied:
+        _sac_save_core_attention()
+        _applied.add("sac_save_core_attention")
     return applied()
 
 
@@ -188,3 +199,24 @@ def _cpu_pg_timeouts() -> None:
 
     set_pg_timeouts.__wrapped__ = du.set_pg_timeouts
     du.set_pg_timeouts = set_pg_timeouts
+
+
+# ---- 6. selective activation checkpointing (every machine) -------------------------------
+
+
+def _sac_save_core_attention() -> None:
+    """Add ``distca::core_attention_fwd`` to llama3's op-level SAC save list.
+
+    With ``activation_checkpoint.mode = "selective"`` and ``selective_ac_option = "op"``,
+    torchtitan saves the outputs of the ops in ``_op_sac_save_list`` (matmuls, SDPA and
+    varlen attention, ...) and recomputes everything else in backward. Saving core
+    attention's ``out`` [T, Hq, D] and ``lse`` [Hq, T] (what a saved SDPA keeps too) means the
+    recompute never re-runs the op, so neither its kernel nor its all-to-alls run twice. The
+    op returns its outputs for this reason: SAC can only save what an op returns. torchtitan
+    reads the set when it parallelizes the model, long after the launcher's :func:`apply`.
+    """
+    import torchtitan.models.llama3.infra.parallelize as llama3_parallelize
+
+    import distca.api  # noqa: F401  (registers torch.ops.distca)
+
+    llama3_parallelize._op_sac_save_list.add(torch.ops.distca.core_attention_fwd.default)
