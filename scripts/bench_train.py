@@ -59,9 +59,9 @@ HEADLINE = "distca_pingpong"
 WORKLOADS = ("skewed", "prolong", "uniform")
 MODELS = {
     # torchtitan's llama3 debugmodel: dim 256, 6 layers, 16 heads (head dim 16)
-    "debug": dict(flavor="debugmodel", tokens_per_rank=8192),
+    "debug": dict(flavor="debugmodel", tokens_per_rank=8192, repeats=3),
     # a shape with Llama's head dim (64) and GQA, where linear layers are a realistic share
-    "wide": dict(flavor="bench_wide", tokens_per_rank=4096),
+    "wide": dict(flavor="bench_wide", tokens_per_rank=4096, repeats=2),
 }
 SHORT_DOC, UNIFORM_DOC, PROLONG_BUDGET = 256, 512, 131072
 VOCAB = 2048  # both flavors
@@ -245,7 +245,7 @@ def _launch(model: str, workload: str, args: argparse.Namespace, out: Path) -> l
     out.mkdir(parents=True, exist_ok=True)
     spec = MODELS[model]
     T = args.tokens_per_rank or spec["tokens_per_rank"]
-    steps = len(args.configs) * (args.repeats + 1)
+    steps = len(args.configs) * ((args.repeats or spec["repeats"]) + 1)
     # torchtitan parses the worker's argv (its ConfigManager binds sys.argv at import);
     # the bench's own settings travel in the environment.
     cmd = [
@@ -325,6 +325,10 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
         "repeats": len(batches),
         "imbalance_before": max(loads0) / statistics.mean(loads0),
         "imbalance_after": max(loads1) / statistics.mean(loads1),
+        # Peak memory per rank during a step above the process's resident set before it
+        # (activations, server buffers, temporaries), max/mean across ranks.
+        "mem_ratio_resend": per.get(HEADLINE, {}).get("step_peak_ratio"),
+        "mem_ratio_keep": per.get("distca_pingpong_keep", {}).get("step_peak_ratio"),
         "configs": per,
     }
 
@@ -379,7 +383,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--tokens-per-rank", type=int, default=None, help="T (default: per model, see MODELS)")
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3, help="measured cycles (batches) after one warm-up cycle")
+    p.add_argument("--repeats", type=int, default=None, help="measured cycles (batches) after one warm-up cycle (default: per model, see MODELS)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="train with --compile.enable (the pieces around attention)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per launch")
@@ -388,7 +392,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if "off" not in a.configs:
         p.error("--configs must include 'off' (the baseline of every speedup)")
-    if a.repeats < 1 or a.ranks < 2:
+    if (a.repeats is not None and a.repeats < 1) or a.ranks < 2:
         p.error("--repeats must be >= 1 and --ranks >= 2")
     return a
 
@@ -417,7 +421,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(json.dumps(s), flush=True)
             else:
                 print(f"\n{model} / {workload}: T={T} x {args.ranks} ranks, {s['repeats']} repeats, {s['wall_s']} s; "
-                      f"modelled CA imbalance {s['imbalance_before']:.2f} -> {s['imbalance_after']:.2f}")  # fmt: skip
+                      f"modelled CA imbalance {s['imbalance_before']:.2f} -> {s['imbalance_after']:.2f}; "
+                      f"step peak memory max/mean: resend {s['mem_ratio_resend'] or float('nan'):.3f}, "
+                      f"keep {s['mem_ratio_keep'] or float('nan'):.3f}")  # fmt: skip
                 print(f"  {'config':22} {'tok/s':>8} {'speedup (min/med/max)':>24} {'attn s/rank':>18} "
                       f"{'exposed s':>10} {'step peak MiB/rank':>22}")  # fmt: skip
                 for c, v in s["configs"].items():

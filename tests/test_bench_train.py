@@ -1,0 +1,76 @@
+"""scripts/bench_train.py: workloads, aggregation, and the --json contract (one short real run)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_train as bt  # noqa: E402
+
+
+@pytest.mark.parametrize("workload", bt.WORKLOADS)
+@pytest.mark.parametrize("ranks, t", [(2, 4096), (4, 1000)])
+def test_rank_docs_fill_every_row(workload, ranks, t):
+    for batch in range(3):
+        rows = bt.rank_docs(workload, ranks, t, batch, nano=batch % 2)
+        assert len(rows) == ranks and all(sum(r) == t and min(r) >= 1 for r in rows), rows
+    if workload == "skewed":
+        assert rows[0] == [t] and max(rows[1]) <= bt.SHORT_DOC
+    if workload == "uniform":
+        assert rows[0] == rows[-1]
+
+
+def test_prolong_draws_differ_per_batch_and_are_deterministic():
+    a = [bt.rank_docs("prolong", 2, 4096, b, 0) for b in range(4)]
+    assert a == [bt.rank_docs("prolong", 2, 4096, b, 0) for b in range(4)]
+    assert len({json.dumps(x) for x in a}) > 1
+
+
+def _rows(configs, step_s, ranks=2):
+    rows = []
+    for b in range(3):
+        for c in configs:
+            for r in range(ranks):
+                rows.append({
+                    "config": c, "batch": b, "rank": r, "seconds": step_s[c] * (1 + 0.1 * r), "attn_fwd_s": 1.0,
+                    "attn_bwd_s": 2.0, "exposed_comm_s": 0.1, "rss_base_MiB": 100.0, "rss_peak_MiB": 150.0 + 10 * r,
+                    "loads": [1.0, 1.0], "loads_colocated": [1.5, 0.5], "fwd_bytes_per_layer": 1 << 20,
+                })  # fmt: skip
+    return rows
+
+
+def test_summarize_speedup_is_off_over_cad_on_the_same_batches():
+    configs = ["off", "distca_pingpong"]
+    s = bt.summarize(_rows(configs, {"off": 3.0, "distca_pingpong": 2.0}), "debug", "skewed", 1024, 2, configs)
+    assert s["repeats"] == 2  # batch 0 is warm-up
+    assert s["speedup_median"] == pytest.approx(1.5) and s["speedup_min"] == s["speedup_max"] == s["speedup_median"]
+    assert s["imbalance_before"] == pytest.approx(1.5) and s["imbalance_after"] == pytest.approx(1.0)
+    assert s["mem_ratio_resend"] == pytest.approx(60 / 55)  # step peaks 50 and 60 MiB above the base
+
+
+@pytest.mark.slow
+def test_json_contract_end_to_end(tmp_path):
+    """One real (tiny) launch: torchtitan trainer, 2 gloo processes, configs cycled per step."""
+    cmd = [
+        sys.executable, "scripts/bench_train.py", "--models", "debug", "--workloads", "skewed", "--tokens-per-rank",
+        "1024", "--repeats", "1", "--configs", "off", "distca", "distca_pingpong", "--json", "--out", str(tmp_path),
+    ]  # fmt: skip
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    s = json.loads(line)
+    for key in ("workload", "speedup_median", "speedup_min", "speedup_max", "repeats"):
+        assert key in s, key
+    assert s["workload"] == "skewed" and s["repeats"] == 1 and s["speedup_min"] <= s["speedup_median"] <= s["speedup_max"]
+    assert s["imbalance_before"] > s["imbalance_after"] >= 1.0
+    assert Path(s["png"]).is_file()
+    assert np.isfinite(s["mem_ratio_resend"]) and s["mem_ratio_resend"] >= 1.0
+    # Sequential nano-batches expose their exchanges; the colocated baseline has none to expose.
+    assert max(s["configs"]["off"]["exposed_comm_s_per_rank"]) == 0.0
+    assert max(s["configs"]["distca"]["exposed_comm_s_per_rank"]) > 0.0
