@@ -106,6 +106,31 @@ def test_ca_mesh_layout_against_torchtitan_meshes(dp_replicate, dp_shard, tp, de
             dist.destroy_process_group()
 
 
+def test_converter_rejects_tp_not_dividing_heads():
+    """16 heads over 3 TP ranks: whole heads per rank are impossible; a clear error at convert."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models.llama3.model.model import Transformer
+    from torchtitan.protocols import train_spec as ts
+
+    from test_torchtitan_ext import _job
+    from torchtitan_ext.converter import CoreAttentionConverter
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    try:
+        pd = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=3, pp=1, ep=1, etp=1, world_size=3)
+        job = _job(CoreAttention(enable=True))
+        job.parallelism.tensor_parallel_degree = 3
+        conv = CoreAttentionConverter(job, pd)
+        with torch.device("meta"):
+            model = Transformer(dataclasses.replace(ts.get_train_spec("llama3").model_args["debugmodel"]))
+        with pytest.raises(ValueError, match=r"tensor_parallel_degree=3 must divide the model's n_heads=16 and n_kv_heads=16"):
+            conv.convert(model)
+    finally:
+        dist.destroy_process_group()
+
+
 def _mesh_worker(rank, world):
     """dp_shard 2 x tp 2 on 4 gloo ranks: CA groups, the loader, the converter's shape."""
     import torch.distributed as dist

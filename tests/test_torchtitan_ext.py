@@ -45,11 +45,13 @@ def test_validate_defaults_and_degree():
         (CoreAttention(enable=True, degree=3), {"dp_size": 4}, r"core_attention.degree=3 must divide the data-parallel size 4 \(valid: -1 or one of \[1, 2, 4\]\)"),
         (CoreAttention(enable=True, degree=0), {"dp_size": 4}, r"core_attention.degree=0 must divide"),
         (CoreAttention(enable=True), {"dp_size": 2, "cp_degree": 2}, r"cannot be combined with parallelism.context_parallel_degree=2"),
-        (CoreAttention(enable=True), {"dp_size": 2, "tp_degree": 2}, r"data parallelism \(FSDP/HSDP\) only"),
+        (CoreAttention(enable=True), {"dp_size": 2, "pp_degree": 2}, r"cannot be combined with parallelism.pipeline_parallel_degree=2"),
+        (CoreAttention(enable=True, pingpong=True), {"dp_size": 2, "tp_degree": 2}, r"cannot be combined with parallelism.tensor_parallel_degree=2: the nano-batch schedule"),
         (CoreAttention(policy="fastest"), {"dp_size": 2}, r"core_attention.policy='fastest' is unknown; choose one of \['distca', 'greedy', 'per_doc_cp', 'colocated'\]"),
         (CoreAttention(mode="lazy"), {"dp_size": 2}, r"core_attention.mode='lazy' is unknown"),
         (CoreAttention(tolerance=1.5), {"dp_size": 2}, r"core_attention.tolerance=1.5 must be a number in \[0, 1\)"),
         (CoreAttention(min_shard=0), {"dp_size": 2}, r"core_attention.min_shard=0 must be an int >= 1"),
+        (CoreAttention(capacity_mib=0), {"dp_size": 2}, r"core_attention.capacity_mib=0 must be -1 \(no bound\) or a number > 0"),
         (CoreAttention(pingpong=True, nano_batches=1), {"dp_size": 2}, r"core_attention.pingpong=true overlaps two nano-batches; got nano_batches=1"),
         (CoreAttention(nano_batches=3), {"dp_size": 2}, r"core_attention.nano_batches=3 must be -1 \(auto\), 1 or 2"),
     ],
@@ -113,11 +115,12 @@ def test_every_key_is_a_cli_flag_and_toml_key(tmp_path):
             "--core_attention.min_shard", "64",
             "--core_attention.cost_model", "h200",
             "--core_attention.no-pingpong",
+            "--core_attention.capacity_mib", "64",
         ]
     )  # fmt: skip
     ca = cfg.core_attention
     assert (ca.enable, ca.degree, ca.policy, ca.tolerance, ca.mode) == (True, 2, "greedy", 0.1, "keep")
-    assert (ca.backend, ca.min_shard, ca.cost_model, ca.pingpong) == ("cpu", 64, "h200", False)
+    assert (ca.backend, ca.min_shard, ca.cost_model, ca.pingpong, ca.capacity_mib) == ("cpu", 64, "h200", False, 64)
     with pytest.raises(SystemExit):  # Literal choices are checked by the CLI parser
         ConfigManager().parse_args([f"--job.config_file={toml}", "--core_attention.policy", "fastest"])
 
@@ -520,3 +523,31 @@ def test_ca_op_in_llama3_sac_save_list():
 
     assert "sac_save_core_attention" in _compat.applied()
     assert torch.ops.distca.core_attention_fwd.default in llama3_parallelize._op_sac_save_list
+
+
+# ---- capacity ---------------------------------------------------------------------------------
+
+
+def _capacity_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from distca import MODEL_SHAPES, load_cost_model
+    from torchtitan_ext.converter import StepContext
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ca_outer", "ca"))
+    out = []
+    for mib in (-1.0, 16.0, 1e-4):
+        ctx = StepContext(cfg=CoreAttention(enable=True, capacity_mib=mib), mesh=mesh, degree=world)
+        ctx.shape, ctx.cost_model = MODEL_SHAPES["debug"], load_cost_model("cpu")
+        try:
+            (dp,) = ctx.prepare(torch.tensor([0, 2000, 2048]))
+            out.append(dp.plan.capacity_bytes)
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_capacity_mib_reaches_the_planner_and_a_too_small_one_fails_everywhere():
+    for none, cap, err in run_workers(_capacity_worker, 2, timeout=60):
+        assert none is None and cap == 16 << 20
+        assert "capacity_bytes=104 is below what rank" in err or "another rank" in err, err

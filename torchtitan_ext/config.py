@@ -29,7 +29,10 @@ class CoreAttention:
     degree: int = -1
     """Ranks in the "ca" mesh dimension: each group of ``degree`` data-parallel ranks
     shares one token stream of ``degree * seq_len`` tokens and balances its core
-    attention. -1: all data-parallel ranks. Must divide the data-parallel size."""
+    attention. -1: all data-parallel ranks. Must divide the data-parallel size.
+    With tensor parallelism a CA group is ``degree`` data-parallel ranks that hold the
+    same TP rank, so there are ``tensor_parallel_degree`` groups per stream, one per
+    TP rank, each dispatching that rank's attention heads."""
 
     policy: Policy = "distca"
     """Planner policy (``distca.plan``): "distca" (ours), "greedy" (the paper's
@@ -61,6 +64,11 @@ class CoreAttention:
     windows of ``seq_len / 2``, each a separate CA plan). -1: 2 with ``pingpong``, else 1.
     ``nano_batches = 2`` with ``pingpong = false`` runs the two one after the other
     (the paper's "single stream" ablation: same data and math, nothing overlapped)."""
+
+    capacity_mib: float = -1.0
+    """Per-server bound on the forward bytes (Q + KV rows) a server receives per layer and
+    nano-batch, in MiB, for the "distca" planner: it bounds the memory an attention server
+    needs on top of its own tokens. -1: no bound."""
 
     cost_model: str = "auto"
     """Planner time model: "cpu", "h200", a path to a JSON cost model, or "auto"
@@ -95,7 +103,9 @@ def validate(cfg: CoreAttention, *, dp_size: int, cp_degree: int = 1, tp_degree:
     Args:
         cfg: the section.
         dp_size: data-parallel size (dp_replicate * dp_shard) of the job.
-        cp_degree, tp_degree, pp_degree: torchtitan's other parallel degrees.
+        cp_degree, tp_degree, pp_degree: torchtitan's other parallel degrees. Tensor
+            parallelism composes (each TP rank dispatches its own heads) except with
+            nano-batches; context and pipeline parallelism are rejected.
 
     Raises:
         ValueError: with the offending key, its value, the rule and the remedy.
@@ -110,7 +120,10 @@ def validate(cfg: CoreAttention, *, dp_size: int, cp_degree: int = 1, tp_degree:
         raise ValueError(f"core_attention.tolerance={cfg.tolerance!r} must be a number in [0, 1)")
     if isinstance(cfg.min_shard, bool) or not isinstance(cfg.min_shard, int) or cfg.min_shard < 1:
         raise ValueError(f"core_attention.min_shard={cfg.min_shard!r} must be an int >= 1")
-    nano_batches(cfg)  # raises on an invalid combination
+    n_nano = nano_batches(cfg)  # raises on an invalid combination
+    cap = cfg.capacity_mib
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (cap == -1 or cap > 0):
+        raise ValueError(f"core_attention.capacity_mib={cap!r} must be -1 (no bound) or a number > 0")
     if not cfg.enable:
         return 1
     if cp_degree > 1:
@@ -119,10 +132,19 @@ def validate(cfg: CoreAttention, *, dp_size: int, cp_degree: int = 1, tp_degree:
             "CAD already splits long documents across the ranks of its group; set "
             "context_parallel_degree = 1 (and use core_attention.degree instead)"
         )
-    if tp_degree > 1 or pp_degree > 1:
+    if pp_degree > 1:
         raise ValueError(
-            f"core_attention.enable=true supports data parallelism (FSDP/HSDP) only for now, got "
-            f"tensor_parallel_degree={tp_degree}, pipeline_parallel_degree={pp_degree}; set both to 1"
+            f"core_attention.enable=true cannot be combined with parallelism.pipeline_parallel_degree={pp_degree}: "
+            "CAD composes with data parallelism (FSDP/HSDP) and tensor parallelism only; set "
+            "pipeline_parallel_degree = 1"
+        )
+    if tp_degree > 1 and n_nano > 1:
+        raise ValueError(
+            f"core_attention.nano_batches={cfg.nano_batches} (pingpong={str(cfg.pingpong).lower()}, resolved to "
+            f"{n_nano} nano-batches) cannot be combined with parallelism.tensor_parallel_degree={tp_degree}: the "
+            "nano-batch schedule calls each TransformerBlock's submodules directly and so bypasses torchtitan's "
+            "tensor/sequence-parallel input and output redistribution on block.attention and block.feed_forward; "
+            "set core_attention.nano_batches = 1 and pingpong = false, or tensor_parallel_degree = 1"
         )
     degree = dp_size if cfg.degree == -1 else cfg.degree
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1 or dp_size % degree:

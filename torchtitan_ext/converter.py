@@ -9,14 +9,24 @@ Enable it with::
 
 What it does (on the meta-device model, before FSDP/AC/compile are applied):
 
-- builds the ``"ca"`` mesh dimension: the data-parallel ranks are cut into
-  groups of ``core_attention.degree`` consecutive ranks (``world_mesh`` unflattened
-  into ``("ca_outer", "ca")``); each group shares one token stream;
+- builds the ``"ca"`` mesh dimension: the data-parallel (batch) ranks are cut into
+  groups of ``core_attention.degree`` consecutive batch ranks (``world_mesh``
+  unflattened into ``("ca_outer", "ca")``, or ``("ca_outer", "ca", "ca_tp")`` with
+  tensor parallelism); each group shares one token stream;
 - replaces every layer's ``attention.inner_attention`` (torchtitan's SDPA wrapper)
   with :class:`CoreAttentionModule`, which calls ``distca.core_attention`` on this
   rank's ``T`` rows with the step's plan;
 - makes the RoPE table long enough for in-document positions: a document can
   span the whole group, so positions go up to ``degree * seq_len - 1``.
+
+Parallelism: FSDP/HSDP shard the parameters over the data-parallel ranks exactly
+as without CAD. Tensor parallelism composes: torchtitan shards ``wq``/``wk``/``wv``
+column-wise, so the inner attention of TP rank ``t`` sees its local heads over the
+full row (``block.attention``'s input is redistributed to Replicate), and the CA
+group of batch ranks that share TP rank ``t`` dispatches those heads; the TP peers
+of a batch rank read the same data and plan the same layout. Not with nano-batches
+(their schedule bypasses TP's module hooks), and not with context or pipeline
+parallelism (:func:`torchtitan_ext.config.validate`).
 
 RoPE positions: torchtitan 0.2.2's llama3 ``Transformer.forward(tokens,
 positions=...)`` already indexes ``freqs_cis`` by a ``positions`` tensor of
@@ -48,6 +58,8 @@ __all__ = ["CoreAttentionConverter", "CoreAttentionModule", "StepContext", "buil
 logger = logging.getLogger(__name__)
 
 CA_DIMS = ("ca_outer", "ca")
+CA_TP_DIM = "ca_tp"
+"""The innermost dim of the CA mesh with tensor parallelism: torchtitan's TP ranks."""
 
 
 @dataclass
@@ -122,8 +134,11 @@ class StepContext:
             tolerance=self.cfg.tolerance, min_shard=self.cfg.min_shard,
             shape=self.shape, cost_model=self.cost_model, mode=self.cfg.mode,
         )  # fmt: skip
+        cap = {}
+        if self.cfg.capacity_mib > 0 and self.cfg.policy == "distca":
+            cap["capacity_bytes"] = int(self.cfg.capacity_mib * (1 << 20))
         t0 = time.perf_counter()
-        dp = distca.prepare(cu, self.mesh, policy=self.cfg.policy, **kw)
+        dp = distca.prepare(cu, self.mesh, policy=self.cfg.policy, **kw, **cap)
         plan_s = time.perf_counter() - t0
         p = dp.plan
         base = p if self.cfg.policy == "colocated" else distca.plan(p.layout, "colocated", **kw)
@@ -334,18 +349,35 @@ def _nano_block_forward(block, x, freqs_cis, attention_masks=None, positions=Non
 
 
 def build_ca_mesh(parallel_dims, degree: int):
-    """Unflatten torchtitan's 1-D world mesh into ("ca_outer", "ca") with "ca" of size ``degree``.
+    """Unflatten torchtitan's 1-D world mesh into ("ca_outer", "ca"[, "ca_tp"]) with "ca" of size ``degree``.
 
     torchtitan 0.2.2's ``ParallelDims`` has a fixed set of dimensions and no hook
     for another one, so the CA dimension is carved from its world mesh the same
-    way torchtitan carves its own (``DeviceMesh._unflatten``). Ranks ``[g*degree,
-    (g+1)*degree)`` form CA group ``g``; with data parallelism only (checked by
-    :func:`torchtitan_ext.config.validate`) these are consecutive batch ranks.
+    way torchtitan carves its own (``DeviceMesh._unflatten``). torchtitan lays the
+    world out as ("pp", "batch", "cp", "tp"), TP innermost: world rank
+    ``b * tp + t`` is batch rank ``b``, TP rank ``t`` (pp = cp = 1, checked by
+    :func:`torchtitan_ext.config.validate`). Without TP the mesh is
+    ``(W // degree, degree)`` and CA group ``g`` is ranks ``[g*degree, (g+1)*degree)``.
+    With TP it is ``(W // (degree * tp), degree, tp)`` named ("ca_outer", "ca",
+    "ca_tp"): the "ca" group of a rank is the ``degree`` consecutive batch ranks
+    ``[g*degree, (g+1)*degree)`` of its block that hold the same TP rank (the same
+    attention heads), e.g. dp 2 x tp 2, degree 2: {0, 2} and {1, 3}.
     """
+    if getattr(parallel_dims, "pp", 1) > 1 or getattr(parallel_dims, "cp", 1) > 1:
+        raise ValueError(
+            f"the CA mesh needs pipeline_parallel_degree = context_parallel_degree = 1, got pp={parallel_dims.pp}, "
+            f"cp={parallel_dims.cp}"
+        )
+    tp = getattr(parallel_dims, "tp", 1)
     world = parallel_dims.world_mesh
     W = world.size()
-    override = {"ca_outer": "fake"} if W // degree == 1 else {}
-    return world._unflatten(0, (W // degree, degree), CA_DIMS, backend_override=override)
+    if W % (degree * tp):
+        raise ValueError(f"world size {W} is not a multiple of core_attention degree {degree} x TP degree {tp}")
+    outer = W // (degree * tp)
+    override = {"ca_outer": "fake"} if outer == 1 else {}
+    if tp == 1:
+        return world._unflatten(0, (outer, degree), CA_DIMS, backend_override=override)
+    return world._unflatten(0, (outer, degree, tp), (*CA_DIMS, CA_TP_DIM), backend_override=override)
 
 
 def _dp_size(parallel_dims) -> int:
@@ -372,6 +404,8 @@ class CoreAttentionConverter:
             tp_degree=p.tensor_parallel_degree, pp_degree=p.pipeline_parallel_degree,
         )  # fmt: skip
         self.job_config = job_config
+        self.tp = getattr(parallel_dims, "tp", 1)
+        """Tensor-parallel degree: each TP rank runs core attention on n_heads / tp heads."""
         self.context: StepContext | None = None
         if not cfg.enable:
             return
@@ -413,8 +447,15 @@ class CoreAttentionConverter:
                 "(use a flavor without _flex_attn/_varlen_attn: distca does the document masking)"
             )
         n_kv = args.n_kv_heads or args.n_heads
+        tp = self.tp
+        if args.n_heads % tp or n_kv % tp:
+            raise ValueError(
+                f"parallelism.tensor_parallel_degree={tp} must divide the model's n_heads={args.n_heads} and "
+                f"n_kv_heads={n_kv}: each TP rank runs core attention on whole heads"
+            )
         dtype_bytes = 2 if self.job_config.training.mixed_precision_param == "bfloat16" else 4
-        self.context.shape = ModelShape(args.n_heads, n_kv, args.dim // args.n_heads, dtype_bytes)
+        # What this rank's attention modules see: torchtitan's TP shards wq/wk/wv column-wise.
+        self.context.shape = ModelShape(args.n_heads // tp, n_kv // tp, args.dim // args.n_heads, dtype_bytes)
         # In-document positions reach degree * seq_len - 1 (a document spanning the group);
         # init_weights() recomputes freqs_cis from max_seq_len after this.
         args.max_seq_len = max(args.max_seq_len, self.context.degree * self.job_config.training.seq_len)
@@ -432,9 +473,10 @@ class CoreAttentionConverter:
                 block.forward = types.MethodType(_nano_block_forward, block)
             n += 1
         logger.info(
-            "core_attention: %d attention layers use distca (CA group of %d ranks, policy %s, mode %s, "
-            "%d nano-batch(es)%s)",
-            n, ctx.degree, ctx.cfg.policy, ctx.cfg.mode, ctx.nano_batches, ", ping-pong" if ctx.cfg.pingpong else "",
+            "core_attention: %d attention layers use distca (CA group of %d ranks, %d query / %d KV heads per "
+            "rank%s, policy %s, mode %s, %d nano-batch(es)%s)",
+            n, ctx.degree, ctx.shape.num_heads, ctx.shape.num_kv_heads, f", TP {self.tp}" if self.tp > 1 else "",
+            ctx.cfg.policy, ctx.cfg.mode, ctx.nano_batches, ", ping-pong" if ctx.cfg.pingpong else "",
         )  # fmt: skip
 
     def post_optimizer_hook(self, model) -> None:
