@@ -9,7 +9,7 @@ configuration, so every configuration trains on the same batches in the same pro
                         nothing is sent (plain packing with per-document attention)
     distca              our planner, the two nano-batches one after the other
     distca_pingpong     our planner, ping-pong (exchanges overlap the other nano-batch)
-    per_doc_cp          per-document head-tail context parallelism, ping-pong
+    per_doc_cp          per-document head-tail context parallelism (ping-pong with 2 nano-batches)
     distca_pingpong_keep   as distca_pingpong with servers keeping Q/K/V for backward
 
 Workloads (documents never cross a rank's row, so "off" is plain packing; the layout is
@@ -24,9 +24,11 @@ the same two windows per step):
 
 Per step and rank it records the step time (the trainer's), time in the attention
 kernels, host time blocked on CA exchanges (``distca.pingpong.exposed_seconds``), and
-peak memory (``VmHWM`` reset before every step, with glibc's mmap threshold pinned so
-freed tensors leave the resident set). The first cycle is warm-up; each later cycle is
-one repeat. ``speedup`` = tokens/s of ``distca_pingpong`` over ``off`` on the same batch.
+peak memory (``VmHWM`` reset before every step). The first cycle is warm-up, each of the
+next ``--repeats`` cycles is one timed repeat (configurations rotated per cycle), and a last
+cycle measures memory with glibc's mmap threshold pinned so freed tensors leave the resident
+set (timed cycles run with a large threshold: no page-fault tax). ``speedup`` = tokens/s of
+``distca_pingpong`` (``distca`` with ``--nano-batches 1``) over ``off`` on the same batch.
 
     python scripts/bench_train.py                    # table + PNGs, ~15-20 min on 2 cores
     python scripts/bench_train.py --json             # one JSON object per line per (model, workload)
@@ -52,8 +54,13 @@ CONFIGS: dict[str, dict] = {
     "off": dict(policy="colocated", pingpong=False, mode="resend"),
     "distca": dict(policy="distca", pingpong=False, mode="resend"),
     "distca_pingpong": dict(policy="distca", pingpong=True, mode="resend"),
-    "per_doc_cp": dict(policy="per_doc_cp", pingpong=True, mode="resend"),
+    "per_doc_cp": dict(policy="per_doc_cp", pingpong=None, mode="resend"),  # None: ping-pong iff 2 nano-batches
     "distca_pingpong_keep": dict(policy="distca", pingpong=True, mode="keep"),
+    "distca_keep": dict(policy="distca", pingpong=False, mode="keep"),
+}
+DEFAULT_CONFIGS = {
+    2: ["off", "distca", "distca_pingpong", "per_doc_cp", "distca_pingpong_keep"],
+    1: ["off", "distca", "per_doc_cp", "distca_keep"],
 }
 HEADLINE = "distca_pingpong"
 WORKLOADS = ("skewed", "prolong", "uniform")
@@ -104,6 +111,28 @@ def _cu(docs: list[list[int]]) -> list[int]:
 # ---- worker (runs under torchrun) ---------------------------------------------------------------
 
 
+def _malloc_mode(mode: str) -> None:
+    """glibc malloc tuning for the warm-up cycle ("measure") and the timed cycles ("fast").
+
+    measure: every block >= 128 KiB is its own mmap, returned on free, so the resident set
+    follows live tensors and the step's VmHWM is its real peak (costly: page faults on every
+    large allocation). fast: blocks < 32 MiB come from the heap and stay mapped, as after
+    glibc's own threshold adaptation, so timed steps pay no page-fault tax.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: measure with the allocator as it is
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    mmap, trim = (128 << 10, 128 << 10) if mode == "measure" else (32 << 20, 64 << 20)
+    libc.mallopt(M_MMAP_THRESHOLD, mmap)
+    libc.mallopt(M_TRIM_THRESHOLD, trim)
+    if mode == "measure":
+        libc.malloc_trim(0)  # hand the heap's free pages back: the next steps' peaks start from live memory
+
+
 def _worker(args: argparse.Namespace) -> None:
     from torchtitan_ext import _compat
 
@@ -132,11 +161,12 @@ def _worker(args: argparse.Namespace) -> None:
             self.rank, self.ranks, self.T, self.vocab = rank, ranks, T, vocab
 
         def __iter__(self):
-            t, step = self.T // 2, 0
+            n = args.nano_batches
+            t, step = self.T // n, 0
             while True:
                 batch = step // len(configs)
                 parts = []
-                for nano in range(2):
+                for nano in range(n):
                     docs = rank_docs(args.workload, self.ranks, t, batch, nano, args.seed)
                     g = torch.Generator().manual_seed(batch * 2 + nano)
                     toks = torch.randint(0, self.vocab, (self.ranks * t,), generator=g)
@@ -149,9 +179,9 @@ def _worker(args: argparse.Namespace) -> None:
                 inputs = {
                     "input": torch.cat([p[0] for p in parts])[None],
                     "positions": torch.cat([p[1] for p in parts])[None],
-                    "cu_seqlens": parts[0][3],
-                    "cu_seqlens_1": parts[1][3],
                 }
+                for i, p in enumerate(parts):
+                    inputs["cu_seqlens" if i == 0 else f"cu_seqlens_{i}"] = p[3]
                 yield inputs, torch.cat([p[2] for p in parts])[None]
                 step += 1
 
@@ -197,9 +227,10 @@ def _worker(args: argparse.Namespace) -> None:
 
     class BenchTrainer(tt.CoreAttentionTrainer):
         def post_dataloading_process(self, input_dict, labels):
-            name = configs[(self.step - 1) % len(configs)]
+            cycle, pos = divmod(self.step - 1, len(configs))
+            name = configs[(pos + cycle) % len(configs)]  # rotated per cycle: no config always goes first
             for k, v in CONFIGS[name].items():
-                setattr(self.ca.cfg, k, v)
+                setattr(self.ca.cfg, k, (args.nano_batches == 2) if v is None else v)
             out = super().post_dataloading_process(input_dict, labels)
             plans = [p.plan for p in self.ca.plans]
             kw = dict(shape=plans[0].shape, cost_model=plans[0].cost_model)
@@ -212,6 +243,10 @@ def _worker(args: argparse.Namespace) -> None:
             return out
 
         def train_step(self, data_iterator):
+            if self.step == 1:
+                _malloc_mode("fast")
+            elif self.step == self.job_config.training.steps - len(configs) + 1:
+                _malloc_mode("measure")  # the last cycle measures memory
             try:  # reset the peak resident set (Linux >= 4.0)
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")
@@ -245,7 +280,7 @@ def _launch(model: str, workload: str, args: argparse.Namespace, out: Path) -> l
     out.mkdir(parents=True, exist_ok=True)
     spec = MODELS[model]
     T = args.tokens_per_rank or spec["tokens_per_rank"]
-    steps = len(args.configs) * ((args.repeats or spec["repeats"]) + 1)
+    steps = len(args.configs) * ((args.repeats or spec["repeats"]) + 2)  # + warm-up and memory cycles
     # torchtitan parses the worker's argv (its ConfigManager binds sys.argv at import);
     # the bench's own settings travel in the environment.
     cmd = [
@@ -255,18 +290,15 @@ def _launch(model: str, workload: str, args: argparse.Namespace, out: Path) -> l
         "--model.name", "llama3_ca", "--model.flavor", spec["flavor"],
         "--model.hf_assets_path", str(ROOT / "torchtitan_ext/assets/tokenizer"),
         "--training.seq_len", str(T), "--training.steps", str(steps),
-        "--training.dataset", "synthetic_pretrain", "--core_attention.nano_batches", "2",
+        "--training.dataset", "synthetic_pretrain", "--core_attention.nano_batches", str(args.nano_batches),
         "--metrics.log_freq", "1000", "--job.dump_folder", str(out / "titan"),
         "--lr_scheduler.warmup_steps", "1", "--debug.seed", "0",
         *(["--compile.enable"] if args.compile else []),
     ]  # fmt: skip
-    worker = dict(workload=workload, configs=",".join(args.configs), out=str(out), seed=args.seed)
-    # One thread per rank; a fixed mmap threshold makes freed tensors leave the resident set,
-    # so the per-step VmHWM is the step's real peak.
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072", PYTHONPATH=str(ROOT),
-        DISTCA_BENCH_WORKER=json.dumps(worker),
-    )  # fmt: skip
+    worker = dict(
+        workload=workload, configs=",".join(args.configs), out=str(out), seed=args.seed, nano_batches=args.nano_batches
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), DISTCA_BENCH_WORKER=json.dumps(worker))
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=args.timeout)
     (out / "log.txt").write_text(r.stdout + r.stderr)
     if r.returncode != 0:
@@ -282,7 +314,8 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
     by = {}  # (config, batch) -> [row per rank]
     for r in rows:
         by.setdefault((r["config"], r["batch"]), []).append(r)
-    batches = sorted({b for _, b in by if b > 0})  # batch 0 is warm-up
+    last = max(b for _, b in by)
+    batches = [b for b in sorted({b for _, b in by}) if 0 < b < last]  # 0: warm-up; last: memory
     tokens = T * ranks
 
     def step_s(c, b):
@@ -294,8 +327,10 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
         ratios = [step_s("off", b) / step_s(c, b) for b in batches] if "off" in configs else []
         per_rank = lambda key: [statistics.median(r[key] for r in rs if r["rank"] == k) for k in range(ranks)]  # noqa: E731
         attn = [a + b for a, b in zip(per_rank("attn_fwd_s"), per_rank("attn_bwd_s"))]
-        peak = [p - b for p, b in zip(per_rank("rss_peak_MiB"), per_rank("rss_base_MiB"))]
-        total = per_rank("rss_peak_MiB")
+        # Memory from the last cycle, run with the measuring allocator mode.
+        mem = {r["rank"]: r for r in by[(c, last)]}
+        peak = [mem[k]["rss_peak_MiB"] - mem[k]["rss_base_MiB"] for k in range(ranks)]
+        total = [mem[k]["rss_peak_MiB"] for k in range(ranks)]
         per[c] = {
             "tokens_per_s_median": tokens / statistics.median(step_s(c, b) for b in batches),
             "step_s_median": statistics.median(step_s(c, b) for b in batches),
@@ -310,15 +345,17 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
             "modelled_loads_colocated": np.mean([r["loads_colocated"] for r in rs if r["rank"] == 0], axis=0).tolist(),
             "fwd_MiB_per_layer": statistics.median(r["fwd_bytes_per_layer"] for r in rs) / _MiB,
         }
-    head = per.get(HEADLINE, {}).get("speedup_vs_off") or [float("nan")] * 3
+    headline = next((c for c in (HEADLINE, "distca") if c in per), configs[-1])
+    keep = next((c for c in ("distca_pingpong_keep", "distca_keep") if c in per), None)
+    head = per[headline].get("speedup_vs_off") or [float("nan")] * 3
     loads0 = per[configs[0]]["modelled_loads_colocated"]
-    loads1 = per.get(HEADLINE, per[configs[-1]])["modelled_loads_per_rank"]
+    loads1 = per[headline]["modelled_loads_per_rank"]
     return {
         "workload": workload,
         "model": model,
         "tokens_per_rank": T,
         "ranks": ranks,
-        "cad_config": HEADLINE,
+        "cad_config": headline,
         "speedup_median": head[1],
         "speedup_min": head[0],
         "speedup_max": head[2],
@@ -327,8 +364,8 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
         "imbalance_after": max(loads1) / statistics.mean(loads1),
         # Peak memory per rank during a step above the process's resident set before it
         # (activations, server buffers, temporaries), max/mean across ranks.
-        "mem_ratio_resend": per.get(HEADLINE, {}).get("step_peak_ratio"),
-        "mem_ratio_keep": per.get("distca_pingpong_keep", {}).get("step_peak_ratio"),
+        "mem_ratio_resend": per[headline]["step_peak_ratio"],
+        "mem_ratio_keep": per[keep]["step_peak_ratio"] if keep else None,
         "configs": per,
     }
 
@@ -344,9 +381,10 @@ def plot(summary: dict, path: Path) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     R = summary["ranks"]
     x = np.arange(R)
-    base, after = per[next(iter(per))]["modelled_loads_colocated"], per.get(HEADLINE, next(iter(per.values())))
+    head = summary["cad_config"]
+    base, after = per[next(iter(per))]["modelled_loads_colocated"], per[head]
     a1.bar(x - 0.2, base, 0.4, label="before (colocated), modelled")
-    a1.bar(x + 0.2, after["modelled_loads_per_rank"], 0.4, label=f"after ({HEADLINE}), modelled")
+    a1.bar(x + 0.2, after["modelled_loads_per_rank"], 0.4, label=f"after ({head}), modelled")
     a1.set_xticks(x, [f"rank {r}" for r in range(R)])
     a1.set_ylabel("CA seconds per step (cost model, one layer)")
     a1.set_title("attention load per rank")
@@ -369,7 +407,7 @@ def plot(summary: dict, path: Path) -> None:
     a2.legend(fontsize=7, loc="lower right")
     fig.suptitle(
         f"{summary['model']} / {summary['workload']}: {summary['ranks']} ranks x {summary['tokens_per_rank']} tokens, "
-        f"{HEADLINE} vs off {summary['speedup_median']:.2f}x (min {summary['speedup_min']:.2f}, max {summary['speedup_max']:.2f})"
+        f"{head} vs off {summary['speedup_median']:.2f}x (min {summary['speedup_min']:.2f}, max {summary['speedup_max']:.2f})"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -380,18 +418,26 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS), help="default: per --nano-batches")
     p.add_argument("--tokens-per-rank", type=int, default=None, help="T (default: per model, see MODELS)")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--repeats", type=int, default=None, help="measured cycles (batches) after one warm-up cycle (default: per model, see MODELS)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--nano-batches", type=int, default=2, choices=(1, 2),
+        help="windows per step (default 2); 1: one window of T per rank, whole documents up to T, no ping-pong configs",
+    )  # fmt: skip
     p.add_argument("--compile", action="store_true", help="train with --compile.enable (the pieces around attention)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per launch")
     p.add_argument("--out", default=str(ROOT / "outputs/bench_train"))
     p.add_argument("--json", action="store_true", help="one JSON object per line per (model, workload)")
     a = p.parse_args(argv)
+    if a.configs is None:
+        a.configs = DEFAULT_CONFIGS[a.nano_batches]
     if "off" not in a.configs:
         p.error("--configs must include 'off' (the baseline of every speedup)")
+    if a.nano_batches == 1 and any(CONFIGS[c]["pingpong"] is True for c in a.configs):
+        p.error("--nano-batches 1 cannot run ping-pong configurations (they overlap two nano-batches)")
     if (a.repeats is not None and a.repeats < 1) or a.ranks < 2:
         p.error("--repeats must be >= 1 and --ranks >= 2")
     return a
