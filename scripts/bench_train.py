@@ -24,10 +24,10 @@ the same two windows per step):
 
 Per step and rank it records the step time (the trainer's), time in the attention
 kernels, host time blocked on CA exchanges (``distca.pingpong.exposed_seconds``), and
-peak memory (``VmHWM`` reset before every step). The first cycle is warm-up, each of the
-next ``--repeats`` cycles is one timed repeat (configurations rotated per cycle), and a last
-cycle measures memory with glibc's mmap threshold pinned so freed tensors leave the resident
-set (timed cycles run with a large threshold: no page-fault tax). ``speedup`` = tokens/s of
+peak memory (``VmHWM`` reset before every step). The first cycle measures memory, with
+glibc's mmap threshold pinned from the start so freed tensors leave the resident set; the
+second is warm-up with a large threshold (timed cycles pay no page-fault tax); each of the
+next ``--repeats`` cycles is one timed repeat (configurations rotated per cycle). ``speedup`` = tokens/s of
 ``distca_pingpong`` (``distca`` with ``--nano-batches 1``) over ``off`` on the same batch.
 
     python scripts/bench_train.py                    # table + PNGs, ~15-20 min on 2 cores
@@ -112,7 +112,7 @@ def _cu(docs: list[list[int]]) -> list[int]:
 
 
 def _malloc_mode(mode: str) -> None:
-    """glibc malloc tuning for the warm-up cycle ("measure") and the timed cycles ("fast").
+    """glibc malloc tuning for the memory cycle ("measure") and the others ("fast").
 
     measure: every block >= 128 KiB is its own mmap, returned on free, so the resident set
     follows live tensors and the step's VmHWM is its real peak (costly: page faults on every
@@ -129,8 +129,6 @@ def _malloc_mode(mode: str) -> None:
     mmap, trim = (128 << 10, 128 << 10) if mode == "measure" else (32 << 20, 64 << 20)
     libc.mallopt(M_MMAP_THRESHOLD, mmap)
     libc.mallopt(M_TRIM_THRESHOLD, trim)
-    if mode == "measure":
-        libc.malloc_trim(0)  # hand the heap's free pages back: the next steps' peaks start from live memory
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -244,9 +242,9 @@ def _worker(args: argparse.Namespace) -> None:
 
         def train_step(self, data_iterator):
             if self.step == 1:
+                _malloc_mode("measure")  # the first cycle measures memory, from a fresh heap
+            elif self.step == len(configs) + 1:
                 _malloc_mode("fast")
-            elif self.step == self.job_config.training.steps - len(configs) + 1:
-                _malloc_mode("measure")  # the last cycle measures memory
             try:  # reset the peak resident set (Linux >= 4.0)
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")
@@ -280,7 +278,7 @@ def _launch(model: str, workload: str, args: argparse.Namespace, out: Path) -> l
     out.mkdir(parents=True, exist_ok=True)
     spec = MODELS[model]
     T = args.tokens_per_rank or spec["tokens_per_rank"]
-    steps = len(args.configs) * ((args.repeats or spec["repeats"]) + 2)  # + warm-up and memory cycles
+    steps = len(args.configs) * ((args.repeats or spec["repeats"]) + 2)  # + memory and warm-up cycles
     # torchtitan parses the worker's argv (its ConfigManager binds sys.argv at import);
     # the bench's own settings travel in the environment.
     cmd = [
@@ -314,8 +312,7 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
     by = {}  # (config, batch) -> [row per rank]
     for r in rows:
         by.setdefault((r["config"], r["batch"]), []).append(r)
-    last = max(b for _, b in by)
-    batches = [b for b in sorted({b for _, b in by}) if 0 < b < last]  # 0: warm-up; last: memory
+    batches = [b for b in sorted({b for _, b in by}) if b >= 2]  # 0: memory; 1: warm-up
     tokens = T * ranks
 
     def step_s(c, b):
@@ -327,8 +324,8 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
         ratios = [step_s("off", b) / step_s(c, b) for b in batches] if "off" in configs else []
         per_rank = lambda key: [statistics.median(r[key] for r in rs if r["rank"] == k) for k in range(ranks)]  # noqa: E731
         attn = [a + b for a, b in zip(per_rank("attn_fwd_s"), per_rank("attn_bwd_s"))]
-        # Memory from the last cycle, run with the measuring allocator mode.
-        mem = {r["rank"]: r for r in by[(c, last)]}
+        # Memory from the first cycle, run with the measuring allocator mode on a fresh heap.
+        mem = {r["rank"]: r for r in by[(c, 0)]}
         peak = [mem[k]["rss_peak_MiB"] - mem[k]["rss_base_MiB"] for k in range(ranks)]
         total = [mem[k]["rss_peak_MiB"] for k in range(ranks)]
         per[c] = {

@@ -34,7 +34,7 @@ def test_prolong_draws_differ_per_batch_and_are_deterministic():
 
 def _rows(configs, step_s, ranks=2):
     rows = []
-    for b in range(4):  # warm-up, 2 timed repeats, memory
+    for b in range(4):  # memory, warm-up, 2 timed repeats
         for c in configs:
             for r in range(ranks):
                 rows.append({
@@ -48,7 +48,7 @@ def _rows(configs, step_s, ranks=2):
 def test_summarize_speedup_is_off_over_cad_on_the_same_batches():
     configs = ["off", "distca_pingpong"]
     s = bt.summarize(_rows(configs, {"off": 3.0, "distca_pingpong": 2.0}), "debug", "skewed", 1024, 2, configs)
-    assert s["repeats"] == 2  # batch 0 is warm-up, batch 3 measures memory
+    assert s["repeats"] == 2  # batch 0 measures memory, batch 1 is warm-up
     assert s["speedup_median"] == pytest.approx(1.5) and s["speedup_min"] == s["speedup_max"] == s["speedup_median"]
     assert s["imbalance_before"] == pytest.approx(1.5) and s["imbalance_after"] == pytest.approx(1.0)
     assert s["mem_ratio_resend"] == pytest.approx(60 / 55)  # step peaks 50 and 60 MiB above the base
