@@ -401,7 +401,7 @@ def plot(summary: dict, path: Path) -> None:
     a2.set_yticks(y, names)
     a2.set_xlabel("seconds per step (median)")
     a2.set_title("time breakdown")
-    a2.legend(fontsize=7, loc="lower right")
+    a2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     fig.suptitle(
         f"{summary['model']} / {summary['workload']}: {summary['ranks']} ranks x {summary['tokens_per_rank']} tokens, "
         f"{head} vs off {summary['speedup_median']:.2f}x (min {summary['speedup_min']:.2f}, max {summary['speedup_max']:.2f})"
