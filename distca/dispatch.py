@@ -217,11 +217,9 @@ def all_to_all_rows(
     (Inductor may drop a functional op whose result is empty). ``local_only``
     (the same on every rank) skips the collective: every row stays here.
     """
-    x = x.contiguous()
-    if local_only:
-        return x
-    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x, list(recv_splits), list(send_splits), group=group)
+    out, work = start_all_to_all_rows(x, send_splits, recv_splits, group, local_only)
+    if work is not None:
+        work.wait()
     return out
 
 
