@@ -138,7 +138,6 @@ def _worker(args: argparse.Namespace) -> None:
     import dataclasses
 
     import torch
-    import torch.distributed as dist
     from torch.utils.data import IterableDataset
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.models.llama3 import TransformerModelArgs
