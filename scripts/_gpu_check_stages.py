@@ -827,6 +827,17 @@ def stage_summary(args) -> int:
             for k in ("ok", "status", "loss_first", "loss_last", "mean_step_s_excluding_first", "tokens_per_s",
                       "peak_memory_allocated_gib", "attention_backend", "pg_backend", "summary_line")
         }  # fmt: skip
+    if not env:  # env stage not selected: name the GPU and torch from here rather than print None
+        try:
+            import torch
+
+            env = {"torch": torch.__version__, "torch_cuda": torch.version.cuda}
+            if torch.cuda.is_available():
+                env["gpu"] = torch.cuda.get_device_name()
+        except Exception:  # noqa: BLE001 - the summary must still be written
+            env = {}
+        if train is not None:
+            env["attention_backend"] = train.get("attention_backend")
     counted = [s for s in stages if s["note"] != "not selected"]
     summary = {
         "ok": bool(counted) and all(s["status"] == "ok" for s in counted),
