@@ -6,7 +6,7 @@ every layer's core attention on the planned attention servers.
 
 from distca.api import CoreAttention, DispatchPlan, core_attention, prepare
 from distca.cost import MODEL_SHAPES, CostModel, ModelShape, causal_pairs, load_cost_model
-from distca.layout import Layout
+from distca.layout import Layout, split_nano_batches
 from distca.planner import POLICIES, Plan, plan
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "DispatchPlan",
     # layout and planning
     "Layout",
+    "split_nano_batches",
     "Plan",
     "plan",
     "POLICIES",

@@ -73,7 +73,7 @@ class DispatchPlan:
 
 
 def prepare(
-    plan_or_cu_seqlens: Plan | torch.Tensor | np.ndarray | list[int],
+    plan_or_cu_seqlens: Plan | Layout | torch.Tensor | np.ndarray | list[int],
     group: dist.ProcessGroup | "torch.distributed.device_mesh.DeviceMesh" | None = None,
     *,
     tokens_per_rank: int | None = None,
@@ -83,8 +83,10 @@ def prepare(
     """Plan (if needed) and compile this rank's dispatch metadata. Call on every rank.
 
     Args:
-        plan_or_cu_seqlens: a :class:`Plan`, or the group's global cu_seqlens (0 ... R*T)
-            to plan with ``policy`` and ``plan_kwargs`` (see :func:`distca.plan`).
+        plan_or_cu_seqlens: a :class:`Plan`; a :class:`Layout` (e.g. a nano-batch that
+            continues documents, from :func:`distca.split_nano_batches`); or the group's
+            global cu_seqlens (0 ... R*T). The last two are planned with ``policy`` and
+            ``plan_kwargs`` (see :func:`distca.plan`).
         group: the CA group (ProcessGroup, DeviceMesh with a "ca" dim, or None: world).
         tokens_per_rank: T; default cu_seqlens[-1] / R.
 
@@ -97,6 +99,15 @@ def prepare(
         p = plan_or_cu_seqlens
         if p.layout.ranks != R:
             err = f"plan is for {p.layout.ranks} ranks but the CA group has {R}"
+    elif isinstance(plan_or_cu_seqlens, Layout):
+        p = None
+        if plan_or_cu_seqlens.ranks != R:
+            err = f"layout is for {plan_or_cu_seqlens.ranks} ranks but the CA group has {R}"
+        else:
+            try:
+                p = make_plan(plan_or_cu_seqlens, policy, **plan_kwargs)
+            except (ValueError, TypeError) as e:
+                err = str(e)
     else:
         cu = _as_numpy(plan_or_cu_seqlens)
         total = int(cu[-1]) if cu.size else 0
@@ -205,7 +216,8 @@ def _dkv_unique(m: DispatchMeta, dk: torch.Tensor, dv: torch.Tensor) -> torch.Te
 
 
 def _dkv_home(m: DispatchMeta, back: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Home side: returned dK/dV rows summed (fp32) over servers into local rows; two fp32 [T, Hkv, D]."""
+    """Home side: returned dK/dV rows summed (fp32) over servers into local rows; two fp32 [T, Hkv, D]
+    (``T`` = the K/V rows, ``m.kv_rows``)."""
     hkv = back.shape[1] // 2
     if "kv_send_idx" in m.identity and back.shape[0] == T:  # each local row sent once, in order
         home = back.float()
@@ -315,7 +327,7 @@ def _core_attention_bwd(
         m.max_seqlen_q, m.max_seqlen_k, softmax_scale, True, kernel_backend,
     )  # fmt: skip
     (dq_home,) = _return_q_rows(m, pg, dqs)
-    dk_home, dv_home = _return_dkv(m, pg, dks, dvs, q.shape[0])
+    dk_home, dv_home = _return_dkv(m, pg, dks, dvs, k.shape[0])
     dq.copy_(dq_home)
     dk.copy_(dk_home)
     dv.copy_(dv_home)
@@ -350,15 +362,16 @@ class _CoreAttentionFn(torch.autograd.Function):
 # ---- public API -----------------------------------------------------------------------------
 
 
-def _local_error(q, k, v, cu: np.ndarray | None, T_plan: int, R: int) -> str | None:
+def _local_error(q, k, v, cu: np.ndarray | None, T_plan: int, R: int, kv_rows: int | None = None) -> str | None:
+    kv_rows = T_plan if kv_rows is None else kv_rows
     if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
         return "q, k and v must be torch.Tensors"
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         return f"q, k, v must be 3-D [T, H, D], got q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
     if k.shape != v.shape:
         return f"k and v must have the same shape, got k.shape={tuple(k.shape)} and v.shape={tuple(v.shape)}"
-    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        return f"q [T, Hq, D] and k [T, Hkv, D] must agree on T and D, got q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}"
+    if q.shape[2] != k.shape[2]:
+        return f"q [T, Hq, D] and k [T, Hkv, D] must agree on D, got q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}"
     if q.shape[1] % k.shape[1]:
         return f"Hq={q.shape[1]} must be a multiple of Hkv={k.shape[1]} (grouped-query attention)"
     if q.dtype != k.dtype or q.dtype != v.dtype:
@@ -369,6 +382,13 @@ def _local_error(q, k, v, cu: np.ndarray | None, T_plan: int, R: int) -> str | N
         return f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}"
     if q.shape[0] != T_plan:
         return f"q has T={q.shape[0]} rows but the plan's layout has tokens_per_rank={T_plan} (T must be equal on every rank)"
+    if k.shape[0] != kv_rows:
+        why = (
+            "the layout continues documents of the previous nano-batch: pass its K/V rows first, cat([k_prev, k])"
+            if kv_rows != T_plan
+            else "k and v hold the same T rows as q"
+        )
+        return f"k has {k.shape[0]} rows but the plan needs {kv_rows} ({why})"
     if cu is not None:
         if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or np.any(np.diff(cu) <= 0) or cu[-1] != R * T_plan:
             return (
@@ -403,7 +423,7 @@ def _verify(handle: torch.Tensor, q, k, v, cu_seqlens, mode: str) -> None:
     sig = (tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), mode) if tensors else None
     first = sig not in entry.verified
     cu = _as_numpy(cu_seqlens) if first and cu_seqlens is not None else None
-    err = _local_error(q, k, v, cu, lay.tokens_per_rank, lay.ranks)
+    err = _local_error(q, k, v, cu, lay.tokens_per_rank, lay.ranks, lay.kv_rows)
     if err is None and cu is not None and (cu.size != lay.num_docs + 1 or np.any(cu != lay.cu_array)):
         err = "cu_seqlens differ from the layout the plan was made for"
     if err is not None or first:

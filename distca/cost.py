@@ -25,9 +25,12 @@ import json
 from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from distca.layout import Layout
 
 __all__ = [
     "ModelShape",
@@ -227,9 +230,7 @@ def _split_rows(lo: np.ndarray, hi: np.ndarray, T: int) -> tuple[np.ndarray, np.
 
 
 def traffic(
-    cu_seqlens: np.ndarray,
-    tokens_per_rank: int,
-    ranks: int,
+    layout: "Layout",
     doc: np.ndarray,
     q_start: np.ndarray,
     q_end: np.ndarray,
@@ -237,28 +238,30 @@ def traffic(
     shape: ModelShape,
     mode: Mode = "resend",
 ) -> Traffic:
-    """Bytes moved by a set of tasks (arrays [N]) for one layer.
+    """Bytes moved by a set of tasks (arrays [N]) over ``layout`` for one layer.
 
     Forward: Q rows home -> server, each KV row a server needs once (prefix up to
     the largest q_end of that document on that server; rows the server holds
-    cost nothing), output + LSE rows server -> home. Backward, ``resend``: home
-    re-sends Q, O, dO, LSE and KV; the server returns dQ and dK/dV (summed per
+    cost nothing; a continued document's context rows live where the previous
+    nano-batch put them), output + LSE rows server -> home. Backward, ``resend``:
+    home re-sends Q, O, dO, LSE and KV; the server returns dQ and dK/dV (summed per
     de-duplicated row). ``keep``: only dO and LSE go out; dQ, dK, dV come back.
     """
-    T = tokens_per_rank
-    cu = np.asarray(cu_seqlens, dtype=np.int64)
-    g0 = cu[doc]
+    T, ranks = layout.tokens_per_rank, layout.ranks
+    g0 = layout.q_base[doc]
     # Q / O rows: one interval per task.
     qi, qh, qrows = _split_rows(g0 + q_start, g0 + q_end, T)
     qdst = server[qi]
-    # KV rows: one interval per (server, doc), up to the largest q_end.
-    key = server.astype(np.int64) * (cu.size + 1) + doc
+    # KV rows: one prefix per (server, doc), up to the largest q_end; in KV space (two intervals).
+    key = server.astype(np.int64) * (layout.num_docs + 1) + doc
     order = np.lexsort((-q_end, key))
     first = np.ones(order.size, dtype=bool)
     first[1:] = key[order][1:] != key[order][:-1]
     sel = order[first]
-    ki, kh, krows = _split_rows(g0[sel], g0[sel] + q_end[sel], T)
-    kdst = server[sel][ki]
+    lo, hi = layout.kv_intervals(doc[sel], q_end[sel])
+    ki, kh, krows = _split_rows(lo.reshape(-1), hi.reshape(-1), T)
+    kh = kh % ranks  # context rows: negative KV-space homes
+    kdst = server[sel][ki // 2]
 
     q_row, kv_row, lse_row = shape.q_row, shape.kv_row, shape.lse_row
     if mode == "resend":

@@ -42,6 +42,8 @@ class DispatchMeta:
     rank: int
     ranks: int
     tokens_per_rank: int
+    kv_rows: int
+    """K/V rows per rank the op takes: T, or 2T for a layout with context (previous nano-batch first)."""
     # ---- home side ----
     q_send_idx: torch.Tensor
     """[T] local rows in send order (grouped by server); a permutation of 0..T-1."""
@@ -50,7 +52,7 @@ class DispatchMeta:
     q_send_splits: tuple[int, ...]
     """[R] Q rows sent to each server."""
     kv_send_idx: torch.Tensor
-    """[sum(kv_send_splits)] local KV rows in send order; a row may repeat (several servers)."""
+    """[sum(kv_send_splits)] local KV rows (of ``kv_rows``) in send order; a row may repeat (several servers)."""
     kv_send_splits: tuple[int, ...]
     # ---- server side ----
     q_recv_splits: tuple[int, ...]
@@ -114,15 +116,21 @@ def _recv_order(homes: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray, tupl
 
 
 def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
-    """This rank's :class:`DispatchMeta` for ``plan`` (pure, deterministic)."""
+    """This rank's :class:`DispatchMeta` for ``plan`` (pure, deterministic).
+
+    K/V rows are addressed in the layout's KV space (``distca.layout``): with a
+    continued document, a home also sends rows of the previous nano-batch, which
+    are rows [0, T) of its [2T, Hkv, D] K/V.
+    """
     lay = plan.layout
     R, T = lay.ranks, lay.tokens_per_rank
+    RT = R * T
     if not 0 <= rank < R:
         raise ValueError(f"rank must be in [0, {R}) for a plan of {R} ranks, got {rank}")
-    cu = lay.cu_array
     t = plan.tasks
     doc, qs, qe, srv = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
-    g0 = cu[doc]
+    base = lay.q_base
+    g0 = base[doc]
     my_lo, my_hi = rank * T, (rank + 1) * T
 
     # ---- home side, Q: tasks in plan order are grouped by server, kernel order within.
@@ -145,27 +153,30 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
         g_end = np.maximum.reduceat(qe, gidx)
     else:
         g_srv = g_doc = g_end = np.zeros(0, np.int64)
-    g_start = cu[g_doc]
+    # Each group's prefix as two KV-space intervals (context, this nano-batch), in row order.
+    iv_lo, iv_hi = (a.reshape(-1) for a in lay.kv_intervals(g_doc, g_end))
+    iv_srv = np.repeat(g_srv, 2)
 
     # ---- home side, KV: each group's prefix rows that live here.
-    lo = np.maximum(g_start, my_lo)
-    hi = np.minimum(g_start + g_end, my_hi)
+    w_lo = np.where(iv_lo < 0, my_lo - RT, my_lo)  # this rank's rows in the interval's nano-batch
+    lo = np.maximum(iv_lo, w_lo)
+    hi = np.minimum(iv_hi, w_lo + T)
     mine = hi > lo
-    kv_send_idx = _ranges(lo[mine], hi[mine]) - my_lo
-    kv_send_splits = tuple(np.bincount(g_srv[mine], hi[mine] - lo[mine], R).astype(np.int64).tolist())
+    kv_send_idx = lay.kv_buffer_row(_ranges(lo[mine], hi[mine]))
+    kv_send_splits = tuple(np.bincount(iv_srv[mine], hi[mine] - lo[mine], R).astype(np.int64).tolist())
 
     # ---- server side, Q.
     s_lo, s_hi = np.searchsorted(srv, [rank, rank + 1])
     my_tasks = t[s_lo:s_hi]
-    rows = _ranges(cu[my_tasks[:, 0]] + my_tasks[:, 1], cu[my_tasks[:, 0]] + my_tasks[:, 2])
+    rows = _ranges(base[my_tasks[:, 0]] + my_tasks[:, 1], base[my_tasks[:, 0]] + my_tasks[:, 2])
     q_recv_to_task, q_task_to_recv, q_recv_splits = _recv_order(rows // T, R)
 
     # ---- server side, KV: received rows are this server's groups' prefixes in
     # group order (grouped by home); each task's keys index into them.
     gs_lo, gs_hi = np.searchsorted(g_srv, [rank, rank + 1])
     my_g_doc, my_g_end = g_doc[gs_lo:gs_hi], g_end[gs_lo:gs_hi]
-    kv_rows = _ranges(cu[my_g_doc], cu[my_g_doc] + my_g_end)
-    kv_recv_to_task, _, kv_recv_splits = _recv_order(kv_rows // T, R)
+    kv_rows = _ranges(iv_lo[2 * gs_lo : 2 * gs_hi], iv_hi[2 * gs_lo : 2 * gs_hi])
+    kv_recv_to_task, _, kv_recv_splits = _recv_order((kv_rows % RT) // T, R)
     g_off = np.concatenate([[0], np.cumsum(my_g_end)[:-1]]).astype(np.int64)
     task_group = np.searchsorted(my_g_doc, my_tasks[:, 0])
     kv_task = _ranges(g_off[task_group], g_off[task_group] + my_tasks[:, 2])
@@ -181,7 +192,7 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
 
     idx = dict(zip(_INDEX_FIELDS, (q_send_idx, q_send_inv, kv_send_idx, q_recv_to_task, q_task_to_recv, kv_task_idx)))
     # Rows of the tensor each index gathers from: the identity must cover all of them.
-    sources = dict(zip(_INDEX_FIELDS, (T, T, T, sum(q_recv_splits), sum(q_recv_splits), sum(kv_recv_splits))))
+    sources = dict(zip(_INDEX_FIELDS, (T, T, lay.kv_rows, sum(q_recv_splits), sum(q_recv_splits), sum(kv_recv_splits))))
     identity = frozenset(
         name for name, a in idx.items() if a.size == sources[name] and np.array_equal(a, np.arange(a.size))
     )
@@ -190,6 +201,7 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
         rank=rank,
         ranks=R,
         tokens_per_rank=T,
+        kv_rows=lay.kv_rows,
         **{name: i64(a) for name, a in idx.items()},
         q_send_splits=q_send_splits,
         kv_send_splits=kv_send_splits,

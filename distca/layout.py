@@ -7,6 +7,15 @@ may cross any number of rank boundaries. The layout is fully described by the
 global ``cu_seqlens`` (0 = cu[0] < cu[1] < ... < cu[n] = R * T), identical on
 every rank.
 
+Nano-batches. A step may run as two nano-batches, each a layout of its own. A
+document may begin in the previous nano-batch and continue in this one
+(``Layout.context``): its in-document positions here start after the tokens it
+already had, its queries attend to those tokens too, and core attention then
+takes K/V as ``[2T, Hkv, D]``: the previous nano-batch's rows, then this one's.
+Positions of such a layout are read in a "KV space" where ``[0, R * T)`` is this
+nano-batch's stream and ``[-R * T, 0)`` the previous one's (home rank of a
+position g: ``(g mod R*T) // T``).
+
 Shape legend: R ranks, T tokens per rank, N documents, S segments (the pieces
 of documents cut by rank boundaries; S <= N + R - 1).
 """
@@ -16,11 +25,11 @@ from __future__ import annotations
 import functools
 import numbers
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Literal, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["Layout", "Segments"]
+__all__ = ["Layout", "Segments", "split_nano_batches"]
 
 
 class Segments(NamedTuple):
@@ -57,6 +66,34 @@ def _int_array(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+def _check_context(context: object, num_docs: int, total: int) -> tuple[tuple[int, int, int], ...]:
+    try:
+        entries = [tuple(e) for e in context]  # type: ignore[union-attr]
+    except TypeError:
+        raise TypeError(f"context must be a sequence of (doc, tokens, end) triples, got {context!r}") from None
+    out = []
+    for i, e in enumerate(entries):
+        if len(e) != 3:
+            raise ValueError(f"context[{i}] must be (doc, tokens, end), got {e!r}")
+        doc, tokens, end = (_as_int(f"context[{i}][{j}]", x) for j, x in enumerate(e))
+        if not 0 <= doc < num_docs:
+            raise ValueError(f"context[{i}]: doc must be in [0, {num_docs}), got {doc}")
+        if not 1 <= tokens <= end <= total:
+            raise ValueError(
+                f"context[{i}]: need 1 <= tokens <= end <= R*T={total} (the previous nano-batch's stream), "
+                f"got tokens={tokens}, end={end}"
+            )
+        if out and doc <= out[-1][0]:
+            raise ValueError(f"context must be sorted by doc without repeats, got doc {doc} after {out[-1][0]}")
+        if out and end - tokens < max(e_ for _, _, e_ in out):
+            raise ValueError(
+                f"context[{i}]: previous-stream positions [{end - tokens}, {end}) overlap an earlier entry's; "
+                "documents are disjoint and in stream order"
+            )
+        out.append((doc, tokens, end))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Global document boundaries of a CA group of ``ranks`` x ``tokens_per_rank`` tokens.
@@ -66,7 +103,7 @@ class Layout:
         >>> lay.cu_seqlens
         (0, 5, 8, 12)
         >>> lay.rank_segments(1)  # (doc, in-doc start, in-doc end) held by rank 1
-        [(2, 0, 4)]
+        [(1, 1, 3), (2, 0, 4)]
     """
 
     cu_seqlens: tuple[int, ...]
@@ -75,6 +112,10 @@ class Layout:
     """R, the number of ranks in the CA group (>= 1)."""
     tokens_per_rank: int
     """T, tokens each rank holds for the linear layers (>= 1)."""
+    context: tuple[tuple[int, int, int], ...] = ()
+    """Documents continued from the previous nano-batch (same R and T), as ``(doc, tokens, end)``:
+    document ``doc``'s first ``tokens`` tokens are that nano-batch's stream positions
+    ``[end - tokens, end)``. Sorted by ``doc``; empty for a stand-alone layout."""
 
     def __post_init__(self) -> None:
         ranks = _as_int("ranks", self.ranks)
@@ -103,6 +144,7 @@ class Layout:
         object.__setattr__(self, "ranks", ranks)
         object.__setattr__(self, "tokens_per_rank", tokens)
         object.__setattr__(self, "cu_seqlens", tuple(cu.tolist()))
+        object.__setattr__(self, "context", _check_context(self.context, cu.size - 1, ranks * tokens))
 
     # ---- construction -------------------------------------------------------------
 
@@ -156,6 +198,60 @@ class Layout:
         return arr
 
     @functools.cached_property
+    def context_tokens(self) -> np.ndarray:
+        """Tokens each document had in the previous nano-batch, read-only int64 [N] (mostly 0)."""
+        arr = np.zeros(self.num_docs, dtype=np.int64)
+        for doc, tokens, _ in self.context:
+            arr[doc] = tokens
+        arr.flags.writeable = False
+        return arr
+
+    @functools.cached_property
+    def context_start(self) -> np.ndarray:
+        """KV-space position of each document's first context token, int64 [N]
+        (``end - tokens - R*T``; meaningful where ``context_tokens > 0``)."""
+        arr = np.zeros(self.num_docs, dtype=np.int64)
+        for doc, tokens, end in self.context:
+            arr[doc] = end - tokens - self.total_tokens
+        arr.flags.writeable = False
+        return arr
+
+    @property
+    def kv_rows(self) -> int:
+        """K/V rows core attention takes per rank: ``2T`` with context, else ``T``."""
+        return 2 * self.tokens_per_rank if self.context else self.tokens_per_rank
+
+    @functools.cached_property
+    def q_base(self) -> np.ndarray:
+        """Stream position of in-document position 0, int64 [N]: a query at in-document
+        position ``x`` of doc ``d`` is stream row ``q_base[d] + x`` (``x >= context_tokens[d]``)."""
+        arr = self.cu_array[:-1] - self.context_tokens
+        arr.flags.writeable = False
+        return arr
+
+    def kv_intervals(self, doc: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """KV-space intervals holding in-document positions ``[0, end)`` of ``doc`` (arrays [M]).
+
+        Returns ``(lo, hi)`` of shape [M, 2]: the context part (previous nano-batch, negative
+        positions; empty without context), then this nano-batch's part. Rows in stream order.
+        """
+        doc, end = np.asarray(doc, dtype=np.int64), np.asarray(end, dtype=np.int64)
+        c = self.context_tokens[doc]
+        lo_c = self.context_start[doc]
+        hi_c = lo_c + np.minimum(end, c)
+        lo_n = self.cu_array[doc]
+        hi_n = lo_n + np.maximum(end - c, 0)
+        return np.stack([lo_c, lo_n], axis=1), np.stack([hi_c, hi_n], axis=1)
+
+    def kv_buffer_row(self, g: np.ndarray) -> np.ndarray:
+        """Row of a KV-space position ``g`` in its home rank's ``[kv_rows, Hkv, D]`` K/V."""
+        g = np.asarray(g, dtype=np.int64)
+        T = self.tokens_per_rank
+        if not self.context:
+            return g % T
+        return g % T + np.where(g >= 0, T, 0)
+
+    @functools.cached_property
     def segments(self) -> Segments:
         """Every (rank, document) piece, vectorised; see :class:`Segments`."""
         T = self.tokens_per_rank
@@ -166,7 +262,7 @@ class Layout:
         g0, g1 = cuts[:-1], cuts[1:]
         doc = np.searchsorted(cu, g0, side="right") - 1
         rank = g0 // T
-        start = g0 - cu[doc]
+        start = g0 - cu[doc] + self.context_tokens[doc]
         out = Segments(rank, doc, start, start + (g1 - g0), g0 - rank * T)
         for a in out:
             a.flags.writeable = False
@@ -186,11 +282,11 @@ class Layout:
         return list(zip(s.doc[lo:hi].tolist(), s.start[lo:hi].tolist(), s.end[lo:hi].tolist()))
 
     def positions(self, rank: int) -> np.ndarray:
-        """In-document position of each of ``rank``'s T tokens (for RoPE), int64 [T]."""
+        """In-document position of each of ``rank``'s T tokens (for RoPE; context counted), int64 [T]."""
         rank = self._check_rank(rank)
         g = np.arange(rank * self.tokens_per_rank, (rank + 1) * self.tokens_per_rank, dtype=np.int64)
         doc = np.searchsorted(self.cu_array, g, side="right") - 1
-        return g - self.cu_array[doc]
+        return g - self.q_base[doc]
 
     def local_cu_seqlens(self, rank: int) -> np.ndarray:
         """Boundaries of the document pieces inside ``rank``'s T tokens, int64 [pieces + 1]."""
@@ -198,3 +294,86 @@ class Layout:
         s = self.segments
         lo, hi = np.searchsorted(s.rank, [rank, rank + 1])
         return np.concatenate([s.offset[lo:hi], [self.tokens_per_rank]]).astype(np.int64)
+
+
+def split_nano_batches(layout: Layout, order: Literal["stream", "rows"] = "stream") -> tuple[Layout, Layout]:
+    """One step's layout as two nano-batches of ``T/2`` tokens per rank that keep documents whole.
+
+    A document cut by the split continues in nano-batch 1 with its nano-batch-0 tokens as
+    context (:attr:`Layout.context`), so running the two nano-batches one after the other
+    (or in ping-pong) computes the same attention as ``layout`` itself.
+
+    Args:
+        layout: the step's layout (``R`` ranks x ``T`` tokens, ``T`` even, no context).
+        order: which tokens form each nano-batch.
+            ``"stream"``: nano-batch ``n`` is the ``n``-th half of the group's stream, rank ``r``
+            holding its ``r``-th ``T/2`` tokens (ranks hold other tokens than in ``layout``;
+            documents may cross ranks). ``"rows"``: nano-batch ``n`` is half ``n`` of every
+            rank's row (each rank keeps its tokens: rows ``[0, T/2)`` then ``[T/2, T)``);
+            documents must not cross a rank boundary, since the end of row ``r - 1`` (nano-batch 1)
+            would come before the start of row ``r`` (nano-batch 0).
+
+    Example:
+        >>> full = Layout((0, 6, 8, 16), ranks=2, tokens_per_rank=8)
+        >>> n0, n1 = split_nano_batches(full, "rows")
+        >>> n0.cu_seqlens, n1.cu_seqlens, n1.context
+        ((0, 4, 8), (0, 2, 4, 8), ((0, 4, 4), (2, 4, 8)))
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a distca.Layout, got {type(layout).__name__}")
+    if order not in ("stream", "rows"):
+        raise ValueError(f"order must be 'stream' or 'rows', got {order!r}")
+    R, T = layout.ranks, layout.tokens_per_rank
+    if T % 2:
+        raise ValueError(f"tokens_per_rank must be even to split into two nano-batches, got {T}")
+    if layout.context:
+        raise ValueError("layout already continues a previous nano-batch (context); split the step's full layout")
+    half, cu = T // 2, layout.cu_array
+    cuts = np.union1d(cu, np.arange(0, R * T + 1, half, dtype=np.int64))
+    a, b = cuts[:-1], cuts[1:]
+    doc = np.searchsorted(cu, a, side="right") - 1
+    if order == "stream":
+        nano, q0 = a // (R * half), a % (R * half)
+    else:
+        nano, q0 = (a % T) // half, (a // T) * half + a % half
+    # Per nano-batch: its pieces in nano-stream order; merge runs of one document.
+    parts: list[list[list[int]]] = [[], []]  # [doc, q_start, q_end, full_start, full_end]
+    for n in (0, 1):
+        idx = np.nonzero(nano == n)[0]
+        for i in idx[np.argsort(q0[idx], kind="stable")].tolist():
+            d, qa, fa, fb = int(doc[i]), int(q0[i]), int(a[i]), int(b[i])
+            run = parts[n][-1] if parts[n] else None
+            if run is not None and run[0] == d:
+                if run[4] != fa:  # same document, but not the next tokens of it
+                    raise ValueError(_cross_msg(d, cu, order))
+                run[2], run[4] = qa + fb - fa, fb
+            else:
+                parts[n].append([d, qa, qa + fb - fa, fa, fb])
+    first = {}
+    for n in (0, 1):
+        for run in parts[n]:
+            if run[0] in first and (n == 0 or first[run[0]][0] == 1):
+                raise ValueError(_cross_msg(run[0], cu, order))  # a document in two runs of one nano-batch
+            first.setdefault(run[0], (n, run))
+    out = []
+    for n in (0, 1):
+        runs = parts[n]
+        cu_n = tuple([0] + [r[2] for r in runs])
+        ctx = []
+        if n == 1:
+            for j, (d, _, _, fa, _) in enumerate(runs):
+                n0, r0 = first[d]
+                if n0 == 0:
+                    if r0[4] != fa:  # nano-batch 0's part must end right before this one
+                        raise ValueError(_cross_msg(d, cu, order))
+                    ctx.append((j, fa - int(cu[d]), r0[2]))
+        out.append(Layout(cu_n, R, half, tuple(ctx)))
+    return out[0], out[1]
+
+
+def _cross_msg(d: int, cu: np.ndarray, order: str) -> str:
+    return (
+        f"document {d} (stream positions [{int(cu[d])}, {int(cu[d + 1])})) cannot be split into nano-batches "
+        f"with order={order!r}: its tokens would need keys of a later nano-batch"
+        + ("; with order='rows' documents must not cross a rank boundary" if order == "rows" else "")
+    )

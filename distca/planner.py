@@ -90,6 +90,7 @@ class Plan:
         h = hashlib.sha256()
         h.update(np.asarray([self.layout.ranks, self.layout.tokens_per_rank], dtype=np.int64).tobytes())
         h.update(self.layout.cu_array.tobytes())
+        h.update(np.asarray(self.layout.context, dtype=np.int64).tobytes())
         h.update(np.ascontiguousarray(self.tasks).tobytes())
         return h.hexdigest()
 
@@ -106,6 +107,7 @@ class Plan:
                 "ranks": self.layout.ranks,
                 "tokens_per_rank": self.layout.tokens_per_rank,
                 "cu_seqlens": list(self.layout.cu_seqlens),
+                "context": [list(c) for c in self.layout.context],
                 "policy": self.policy,
                 "tasks": self.tasks.tolist(),
                 "shape": vars(self.shape),
@@ -121,7 +123,7 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         d = json.loads(text)
-        layout = Layout(tuple(d["cu_seqlens"]), d["ranks"], d["tokens_per_rank"])
+        layout = Layout(tuple(d["cu_seqlens"]), d["ranks"], d["tokens_per_rank"], tuple(map(tuple, d.get("context", ()))))
         t = np.asarray(d["tasks"], dtype=np.int64).reshape(-1, 4)
         return _finalize(
             layout,
@@ -269,7 +271,7 @@ def _finalize(
     R = layout.ranks
     loads = np.bincount(server, cost_model.task_time(q_start, q_end), R).astype(np.float64)
     pairs = np.bincount(server, causal_pairs(q_start, q_end), R).astype(np.int64)
-    tr = traffic(layout.cu_array, layout.tokens_per_rank, R, doc, q_start, q_end, server, shape, mode)
+    tr = traffic(layout, doc, q_start, q_end, server, shape, mode)
     for a in (loads, pairs):
         a.flags.writeable = False
     return Plan(
@@ -283,6 +285,7 @@ def _finalize(
 def _plan_per_doc_cp(layout: Layout, min_shard: int):
     R = layout.ranks
     L = layout.doc_lens
+    c = layout.context_tokens  # queries of a continued document start after its context
     k = np.clip(L // (2 * min_shard), 1, R)  # ranks per document
     # Documents start on the rank after the one the previous document started on,
     # so documents spread over fewer than R ranks still spread the load.
@@ -291,8 +294,8 @@ def _plan_per_doc_cp(layout: Layout, min_shard: int):
     d = np.repeat(np.arange(L.size), n)
     i = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
     nd = n[d]
-    lo = L[d] * i // nd
-    hi = L[d] * (i + 1) // nd
+    lo = c[d] + L[d] * i // nd
+    hi = c[d] + L[d] * (i + 1) // nd
     slot = np.where(i < k[d], i, nd - 1 - i)  # chunk i and chunk 2k-1-i share a rank
     server = (first[d] + slot) % R
     keep = hi > lo
@@ -322,7 +325,7 @@ def _plan_greedy(layout: Layout, shape: ModelShape, tolerance: float):
     work = causal_pairs(h0, h1) + causal_pairs(t0, t1)
     F = np.bincount(srv[:n], work[:n], R).astype(np.float64)
     mean = F.sum() / R
-    dlen = layout.doc_lens.astype(np.float64)
+    dlen = (layout.doc_lens + layout.context_tokens).astype(np.float64)  # KV extent
     q_row, kv_row = shape.q_row, shape.kv_row
 
     deficit_order = np.argsort(-(mean - F), kind="stable")
@@ -385,7 +388,8 @@ class _Balancer:
 
     def __init__(self, layout: Layout, cm: CostModel, shape: ModelShape, min_shard: int, capacity: int | None):
         self.R, self.T = layout.ranks, layout.tokens_per_rank
-        self.cu = layout.cu_array
+        self.layout = layout
+        self.q_base = layout.q_base
         self.cm = cm
         self.min_shard = min_shard
         s = self.seg = _initial_pieces(layout, min_shard)
@@ -415,9 +419,9 @@ class _Balancer:
         self.cap = capacity
         if capacity is not None:
             # Colocated inputs: KV prefix rows and Q rows of each piece not held by its server.
-            g0 = layout.cu_array[s.doc]
+            g0 = self.q_base[s.doc]
             lo, hi = s.rank * self.T, (s.rank + 1) * self.T
-            own_kv = np.maximum(0, np.minimum(g0 + s.end, hi) - np.maximum(g0, lo))
+            own_kv = np.asarray([self.own_kv(r_, d_, e_) for r_, d_, e_ in zip(s.rank.tolist(), s.doc.tolist(), s.end.tolist())], np.int64)
             own_q = np.maximum(0, np.minimum(g0 + s.end, hi) - np.maximum(g0 + s.start, lo))
             remote = (s.end - own_kv) * self.kvb + (s.end - s.start - own_q) * self.q_row
             self.recv = np.bincount(s.rank, remote, self.R).astype(np.float64)
@@ -514,15 +518,27 @@ class _Balancer:
             w_pairs *= (w / t) * (0.995 if it else 1.0)
         return i, k, x, e, t
 
+    def own_kv(self, j: int, d: int, e: int) -> int:
+        """KV rows of document d's prefix [0, e) that server j holds (as a home)."""
+        if e <= 0:
+            return 0
+        lo, hi = self.layout.kv_intervals(np.asarray([d]), np.asarray([e]))
+        T, RT = self.T, self.R * self.T
+        n = 0
+        for a, b in zip(lo[0].tolist(), hi[0].tolist()):
+            w = j * T - (RT if a < 0 else 0)  # j's rows in this or the previous nano-batch
+            n += max(0, min(b, w + T) - max(a, w))
+        return n
+
     def in_bytes(self, j: int, d: int, x: int, e: int) -> float:
         """Forward input bytes server j receives for queries [x, e) of document d."""
-        g0 = int(self.cu[d])
+        g0 = int(self.q_base[d])
         jl, jh = j * self.T, (j + 1) * self.T
         own_q = max(0, min(g0 + e, jh) - max(g0 + x, jl))
         have = self.kv_have.get((j, d), 0)
         kv_rows = 0
         if e > have:
-            kv_rows = (e - have) - max(0, min(g0 + e, jh) - max(g0 + have, jl))
+            kv_rows = (e - have) - (self.own_kv(j, d, e) - self.own_kv(j, d, have))
         return (e - x - own_q) * self.q_row + kv_rows * self.kvb
 
     def shed(
@@ -704,14 +720,3 @@ def _initial_pieces(layout: Layout, min_shard: int):
     new[1:] = (rank[1:] != rank[:-1]) | (s.doc[1:] != s.doc[:-1])
     idx = np.nonzero(new)[0]
     return Segments(rank[idx], s.doc[idx], s.start[idx], np.maximum.reduceat(s.end, idx), s.offset[idx])
-    server = server.copy()
-    order = np.lexsort((q_start, doc))
-    pos = np.empty_like(order)
-    pos[order] = np.arange(order.size)
-    d_sorted = doc[order]
-    for i in np.nonzero(short)[0].tolist():
-        p = int(pos[i])
-        # Tasks of one document are contiguous in (doc, q_start) order and tile it.
-        nb = order[p - 1] if p > 0 and d_sorted[p - 1] == doc[i] else order[p + 1]
-        server[i] = server[nb]
-    return doc, q_start, q_end, server

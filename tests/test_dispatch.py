@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distca import POLICIES, Layout, plan
+from distca import POLICIES, Layout, plan, split_nano_batches
 from distca.dispatch import build_dispatch
 
 from test_layout import layouts
@@ -43,7 +43,7 @@ def simulate(p, q, k, v):
     lay = p.layout
     R, T = lay.ranks, lay.tokens_per_rank
     metas = [build_dispatch(p, r) for r in range(R)]
-    ql, kl, vl = q.split(T), k.split(T), v.split(T)
+    ql, kl, vl = q.split(T), k.split(lay.kv_rows), v.split(lay.kv_rows)  # K/V: [2T] per rank with context
     # Home r sends chunk j of its send buffer to server j.
     def exchange(bufs, splits_of):
         parts = [list(b.split(list(splits_of(m)))) for b, m in zip(bufs, metas)]
@@ -79,6 +79,40 @@ def test_simulated_dispatch_is_exact(policy, lay, hkv):
     p = plan(lay, policy, min_shard=4)
     out = simulate(p, q, k, v)
     torch.testing.assert_close(out, ref_attention(q, k, v, list(lay.cu_seqlens)), atol=1e-10, rtol=1e-10)
+
+
+def _nano_rows(full: Layout, order: str, n: int, r: int) -> slice:
+    """Full-stream rows that rank r holds in nano-batch n."""
+    R, half = full.ranks, full.tokens_per_rank // 2
+    a = n * R * half + r * half if order == "stream" else r * 2 * half + n * half
+    return slice(a, a + half)
+
+
+@pytest.mark.parametrize("order", ["stream", "rows"])
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=20)
+@given(full=layouts(max_ranks=4, max_tokens=48).filter(lambda l: l.tokens_per_rank % 2 == 0), hkv=st.sampled_from([1, 2]))
+def test_nano_batches_that_continue_documents_are_exact(order, policy, full, hkv):
+    """Nano-batch 1 reads nano-batch 0's K/V rows: together they equal attention over the full layout."""
+    T = full.tokens_per_rank
+    if order == "rows" and any(full.cu_array[d] // T != (full.cu_array[d + 1] - 1) // T for d in range(full.num_docs)):
+        return  # rejected by split_nano_batches (tested in test_layout)
+    torch.manual_seed(0)
+    N, R = full.total_tokens, full.ranks
+    q, k, v = (torch.randn(N, h, 8, dtype=torch.float64) for h in (2, hkv, hkv))
+    ref = ref_attention(q, k, v, list(full.cu_seqlens))
+    lays = split_nano_batches(full, order)
+    rows = [[_nano_rows(full, order, n, r) for r in range(R)] for n in (0, 1)]
+    for n, lay in enumerate(lays):
+        p = plan(lay, policy, min_shard=4)
+        qn = torch.cat([q[rows[n][r]] for r in range(R)])
+        # K/V per rank: nano-batch 1 with context takes [previous nano-batch's rows; its own].
+        own = [list(range(n + 1)) if lay.context else [n] for _ in range(R)]
+        kn = torch.cat([k[rows[m][r]] for r in range(R) for m in own[r]])
+        vn = torch.cat([v[rows[m][r]] for r in range(R) for m in own[r]])
+        out = simulate(p, qn, kn, vn)
+        want = torch.cat([ref[rows[n][r]] for r in range(R)])
+        torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
 
 
 def test_kv_rows_sent_once_per_server():

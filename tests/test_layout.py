@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from distca import Layout
+from distca import Layout, split_nano_batches
 
 
 @st.composite
@@ -14,6 +14,13 @@ def layouts(draw, max_ranks=6, max_tokens=300):
     n_cuts = draw(st.integers(0, min(total - 1, 40)))
     cuts = draw(st.lists(st.integers(1, total - 1), min_size=n_cuts, max_size=n_cuts, unique=True)) if total > 1 else []
     return Layout(tuple([0, *sorted(cuts), total]), R, T)
+
+
+@st.composite
+def nano_layouts(draw, max_ranks=6, max_tokens=300):
+    """Nano-batch 1 of a random step split with ``order="stream"``: it usually continues a document."""
+    full = draw(layouts(max_ranks=max_ranks, max_tokens=max(2, max_tokens)).filter(lambda l: l.tokens_per_rank % 2 == 0))
+    return split_nano_batches(full, "stream")[1]
 
 
 def test_from_doclens_cuts_last_document():
@@ -100,3 +107,61 @@ def test_rank_out_of_range_is_rejected_by_every_view():
     for view in (lay.rank_segments, lay.positions, lay.local_cu_seqlens):
         with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
             view(2)
+
+
+# ---- nano-batches that keep documents whole ------------------------------------------------
+
+
+def _full_positions(full: Layout) -> np.ndarray:
+    return np.concatenate([full.positions(r) for r in range(full.ranks)])
+
+
+@given(layouts(max_ranks=5, max_tokens=60).filter(lambda l: l.tokens_per_rank % 2 == 0))
+def test_split_stream_keeps_documents_whole(full):
+    n0, n1 = split_nano_batches(full, "stream")
+    R, half = full.ranks, full.tokens_per_rank // 2
+    assert (n0.ranks, n0.tokens_per_rank, n0.context) == (R, half, ())
+    pos = _full_positions(full)
+    # Nano-batch n, rank r holds stream rows [n*R*half + r*half, ...): positions agree with the full layout's.
+    for n, lay in enumerate((n0, n1)):
+        for r in range(R):
+            a = n * R * half + r * half
+            assert lay.positions(r).tolist() == pos[a : a + half].tolist()
+    # Every document's tokens are accounted for once; at most one continues.
+    assert n0.doc_lens.sum() + n1.doc_lens.sum() == full.total_tokens
+    assert len(n1.context) <= 1
+    if n1.context:
+        doc, tokens, end = n1.context[0]
+        assert (doc, end) == (0, R * half) and n0.doc_lens[-1] == tokens
+        assert n0.kv_rows == half and n1.kv_rows == 2 * half
+
+
+@given(layouts(max_ranks=5, max_tokens=60).filter(lambda l: l.tokens_per_rank % 2 == 0))
+def test_split_rows_keeps_each_rank_its_tokens(full):
+    T = full.tokens_per_rank
+    crosses = any(full.cu_array[d] // T != (full.cu_array[d + 1] - 1) // T for d in range(full.num_docs))
+    if crosses:
+        with pytest.raises(ValueError, match="must not cross a rank boundary"):
+            split_nano_batches(full, "rows")
+        return
+    n0, n1 = split_nano_batches(full, "rows")
+    for r in range(full.ranks):
+        assert np.concatenate([n0.positions(r), n1.positions(r)]).tolist() == full.positions(r).tolist()
+    for doc, tokens, end in n1.context:  # the context ends where the rank's half-row ends
+        assert end % (T // 2) == 0 and n1.cu_array[doc] == (end // (T // 2) - 1) * (T // 2)
+
+
+def test_context_validation():
+    with pytest.raises(ValueError, match=r"context\[0\]: doc must be in \[0, 2\)"):
+        Layout((0, 2, 4), 1, 4, ((2, 1, 4),))
+    with pytest.raises(ValueError, match="tokens <= end <= R\\*T=4"):
+        Layout((0, 2, 4), 1, 4, ((0, 5, 5),))
+    with pytest.raises(ValueError, match="sorted by doc"):
+        Layout((0, 2, 4), 1, 4, ((1, 1, 4), (0, 1, 2)))
+    with pytest.raises(ValueError, match="overlap"):
+        Layout((0, 2, 4), 1, 4, ((0, 2, 3), (1, 2, 4)))
+    with pytest.raises(ValueError, match="even"):
+        split_nano_batches(Layout((0, 3), 1, 3))
+    lay = Layout((0, 2, 4), 1, 4, ((0, 3, 4),))
+    assert lay.segments.start.tolist() == [3, 0] and lay.positions(0).tolist() == [3, 4, 0, 1]
+    assert lay.kv_rows == 8 and lay.kv_buffer_row(np.array([-1, 0])).tolist() == [3, 4]

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from distca import MODEL_SHAPES, POLICIES, CostModel, Layout, Plan, causal_pairs, plan
 from distca.doclens import load_doclens, sample_doclens
 
-from test_layout import layouts
+from test_layout import layouts, nano_layouts
 
 SHAPE = MODEL_SHAPES["llama3-8b"]
 
@@ -19,8 +19,9 @@ def check_exact_cover(p: Plan) -> None:
     lay = p.layout
     t = p.tasks
     assert t.dtype == np.int64 and t.shape[1] == 4
-    assert np.all(t[:, 1] >= 0) and np.all(t[:, 1] < t[:, 2])
-    assert np.all(t[:, 2] <= lay.doc_lens[t[:, 0]])
+    c = lay.context_tokens
+    assert np.all(t[:, 1] >= c[t[:, 0]]) and np.all(t[:, 1] < t[:, 2])
+    assert np.all(t[:, 2] <= c[t[:, 0]] + lay.doc_lens[t[:, 0]])
     assert np.all((t[:, 3] >= 0) & (t[:, 3] < lay.ranks))
     by_doc = defaultdict(list)
     for d, s, e, _ in t.tolist():
@@ -28,12 +29,12 @@ def check_exact_cover(p: Plan) -> None:
     assert sorted(by_doc) == list(range(lay.num_docs))
     for d, ranges in by_doc.items():
         ranges.sort()
-        assert ranges[0][0] == 0 and ranges[-1][1] == lay.doc_lens[d]
+        assert ranges[0][0] == c[d] and ranges[-1][1] == c[d] + lay.doc_lens[d]
         for (_, e0), (s1, _) in zip(ranges, ranges[1:]):
             assert e0 == s1, f"doc {d}: gap or overlap at {e0}/{s1}"
     # Each task's KV prefix [0, q_end) holds exactly the keys its queries see,
     # so the served (query, key) pairs are each document's causal pairs, once.
-    assert int(p.pairs.sum()) == int(sum(n * (n + 1) // 2 for n in lay.doc_lens.tolist()))
+    assert int(p.pairs.sum()) == int(sum(causal_pairs(c, c + n) for c, n in zip(lay.context_tokens.tolist(), lay.doc_lens.tolist())))
 
 
 def brute_traffic(p: Plan):
@@ -42,8 +43,11 @@ def brute_traffic(p: Plan):
     fwd, bwd = defaultdict(int), defaultdict(int)
     q, kv, lse = SHAPE.q_row, SHAPE.kv_row, SHAPE.lse_row
     kv_rows = defaultdict(set)
+    RT = lay.ranks * T
+    prev = {d: (end - n) for d, n, end in lay.context}  # previous-stream start of a continued doc
     for d, s, e, j in p.tasks.tolist():
-        g0 = lay.cu_seqlens[d]
+        c = lay.context_tokens[d]
+        g0 = lay.cu_seqlens[d] - c  # stream row of in-doc position 0 (queries are >= c)
         for g in range(g0 + s, g0 + e):
             h = g // T
             if h != j:
@@ -51,9 +55,10 @@ def brute_traffic(p: Plan):
                 fwd[(j, h)] += q + lse
                 bwd[(h, j)] += 3 * q + lse
                 bwd[(j, h)] += q
-        kv_rows[j].update(range(g0, g0 + e))
+        # KV rows as (nano-batch, stream row): context rows live in the previous nano-batch.
+        kv_rows[j].update(("prev", prev[d] + x) if x < c else ("this", g0 + x) for x in range(e))
     for j, rows in kv_rows.items():
-        for g in rows:
+        for _, g in rows:
             h = g // T
             if h != j:
                 fwd[(h, j)] += kv
@@ -63,7 +68,7 @@ def brute_traffic(p: Plan):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@given(lay=layouts(max_ranks=5, max_tokens=200))
+@given(lay=layouts(max_ranks=5, max_tokens=200) | nano_layouts(max_ranks=5, max_tokens=200))
 def test_policies_cover_and_bytes_add_up(policy, lay):
     p = plan(lay, policy, min_shard=8, shape=SHAPE)
     check_exact_cover(p)
