@@ -138,31 +138,37 @@ def test_rank_slices_concatenate_to_group_window():
     assert torch.equal(torch.cat([lab[0] for _, lab in parts]), w.labels)
 
 
-def test_nano_batches_are_consecutive_windows_and_resume():
-    """nano_batches=2: rank r's row is its slice of window 0 then of window 1 (each T/2 per rank),
-    one cu_seqlens per window; the stream advances by both windows per step."""
+def test_nano_batches_keep_documents_whole_and_resume():
+    """nano_batches=2: the step's window is the same as without nano-batches; nano-batch n is the
+    n-th half of the stream, rank r holding its r-th T/2 tokens; a document cut by the split
+    continues in nano-batch 1 (``context_1``) with its positions running on."""
+    from distca import Layout
+
     stream = ListStream([50, 7, 130, 3, 90])
     R, T = 2, 64
+    half = T // 2
     items = [iter(CAPackedDataset(stream, group=0, ca_rank=r, ca_degree=R, seq_len=T, nano_batches=2)) for r in range(R)]
     state = StreamState()
+    seen_context = False
     for _ in range(3):
-        windows = []
-        for _ in range(2):
-            w = group_window(stream, state, R, T // 2)
-            windows.append(w)
-            state = w.next_state
+        w = group_window(stream, state, R, T)  # exactly the window nano_batches=1 reads
+        state = w.next_state
         for r, it in enumerate(items):
             d, lab = next(it)
-            halves = [rank_batch(w, r, T // 2) for w in windows]
-            assert torch.equal(d["input"], torch.cat([h[0]["input"] for h in halves], dim=1))
-            assert torch.equal(d["positions"], torch.cat([h[0]["positions"] for h in halves], dim=1))
-            assert torch.equal(lab, torch.cat([h[1] for h in halves], dim=1))
-            assert torch.equal(d["cu_seqlens"], windows[0].cu_seqlens)
-            assert torch.equal(d["cu_seqlens_1"], windows[1].cu_seqlens)
+            rows = torch.cat([torch.arange(n * R * half + r * half, n * R * half + (r + 1) * half) for n in (0, 1)])
+            assert torch.equal(d["input"][0], w.tokens[rows])
+            assert torch.equal(d["positions"][0], w.positions[rows])
+            assert torch.equal(lab[0], w.labels[rows])
+            n0 = Layout(tuple(d["cu_seqlens"].tolist()), R, half)
+            n1 = Layout(tuple(d["cu_seqlens_1"].tolist()), R, half, tuple(map(tuple, d["context_1"].tolist())))
+            assert n0.positions(r).tolist() == d["positions"][0, :half].tolist()
+            assert n1.positions(r).tolist() == d["positions"][0, half:].tolist()
+            seen_context |= bool(n1.context)
+    assert seen_context  # the 130-token document crosses a split
     ds = CAPackedDataset(stream, group=0, ca_rank=0, ca_degree=R, seq_len=T, nano_batches=2)
     with pytest.raises(ValueError, match="nano_batches"):  # a checkpoint from a run without nano-batches
         ds.load_state_dict(CAPackedDataset(stream, group=0, ca_rank=0, ca_degree=R, seq_len=T).state_dict())
-    with pytest.raises(ValueError, match=r"seq_len=63 must be a multiple of nano_batches=2"):
+    with pytest.raises(ValueError, match=r"nano_batches must be 1 or 2 and divide seq_len=63, got 2"):
         CAPackedDataset(stream, group=0, ca_rank=0, ca_degree=R, seq_len=63, nano_batches=2)
 
 

@@ -116,20 +116,28 @@ class StepContext:
         """The plan of nano-batch 0 (the only one without nano-batches)."""
         return self.plans[0] if self.plans else None
 
-    def prepare(self, cu_seqlens: "torch.Tensor | list[torch.Tensor]") -> "list[distca.DispatchPlan]":
+    def prepare(
+        self, cu_seqlens: "torch.Tensor | list[torch.Tensor]", contexts: "list[torch.Tensor | None] | None" = None
+    ) -> "list[distca.DispatchPlan]":
         """Plan this micro-batch's core attention: one ``cu_seqlens`` (the group's global layout)
-        per nano-batch, the same on every rank of the group."""
+        per nano-batch, the same on every rank of the group, and for each nano-batch the
+        documents it continues from the previous one (``distca.Layout.context`` as an int
+        tensor [k, 3], or None)."""
         cus = list(cu_seqlens) if isinstance(cu_seqlens, (list, tuple)) else [cu_seqlens]
         if len(cus) != self.nano_batches:
             raise ValueError(
                 f"expected {self.nano_batches} cu_seqlens (one per nano-batch), got {len(cus)}: the data "
                 "loader and core_attention.nano_batches disagree"
             )
-        self.plans = [self._prepare_one(cu) for cu in cus]
+        ctxs = list(contexts) if contexts is not None else [None] * len(cus)
+        if len(ctxs) != len(cus):
+            raise ValueError(f"expected one context per nano-batch ({len(cus)}), got {len(ctxs)}")
+        self.plans = [self._prepare_one(cu, c) for cu, c in zip(cus, ctxs)]
         return self.plans
 
-    def _prepare_one(self, cu_seqlens: torch.Tensor) -> "distca.DispatchPlan":
+    def _prepare_one(self, cu_seqlens: torch.Tensor, context: "torch.Tensor | None" = None) -> "distca.DispatchPlan":
         cu = torch.as_tensor(cu_seqlens).detach().reshape(-1).cpu()
+        ctx = () if context is None else tuple(map(tuple, torch.as_tensor(context).reshape(-1, 3).tolist()))
         kw = dict(
             tolerance=self.cfg.tolerance, min_shard=self.cfg.min_shard,
             shape=self.shape, cost_model=self.cost_model, mode=self.cfg.mode,
@@ -138,7 +146,14 @@ class StepContext:
         if self.cfg.capacity_mib > 0 and self.cfg.policy == "distca":
             cap["capacity_bytes"] = int(self.cfg.capacity_mib * (1 << 20))
         t0 = time.perf_counter()
-        dp = distca.prepare(cu, self.mesh, policy=self.cfg.policy, **kw, **cap)
+        if ctx:  # a nano-batch continuing documents: plan its Layout (T from the group size)
+            R = dist.get_world_size(self.group)
+            total = int(cu[-1])
+            if total % R:
+                raise ValueError(f"cu_seqlens[-1]={total} is not a multiple of the CA group size {R}")
+            dp = distca.prepare(distca.Layout(tuple(cu.tolist()), R, total // R, ctx), self.mesh, policy=self.cfg.policy, **kw, **cap)
+        else:
+            dp = distca.prepare(cu, self.mesh, policy=self.cfg.policy, **kw, **cap)
         plan_s = time.perf_counter() - t0
         p = dp.plan
         base = p if self.cfg.policy == "colocated" else distca.plan(p.layout, "colocated", **kw)
@@ -325,8 +340,15 @@ def _nano_block_forward(block, x, freqs_cis, attention_masks=None, positions=Non
     backend = None if ctx.cfg.backend == "auto" else ctx.cfg.backend
     kw = dict(mode=ctx.cfg.mode, backend=backend)
 
+    kv0 = []
+
     def start(i):
-        return pingpong.start(*pre(block, xs[i], freqs_cis, ps[i]), plan=ctx.plans[i], **kw)
+        q, k, v = pre(block, xs[i], freqs_cis, ps[i])
+        if i == 0:
+            kv0[:] = [k, v]
+        elif ctx.plans[1].plan.layout.context:  # nano-batch 1 continues a document: its keys come first
+            k, v = torch.cat([kv0[0], k]), torch.cat([kv0[1], v])
+        return pingpong.start(q, k, v, plan=ctx.plans[i], **kw)
 
     if ctx.cfg.pingpong:
         f0 = start(0)

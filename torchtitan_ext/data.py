@@ -375,8 +375,8 @@ class CAPackedDataset(IterableDataset, Stateful):
                 raise ValueError(f"{arg} must be an integer >= 1, got {v!r}")
         if not 0 <= ca_rank < ca_degree:
             raise ValueError(f"ca_rank must be in [0, ca_degree={ca_degree}), got {ca_rank}")
-        if seq_len % nano_batches:
-            raise ValueError(f"seq_len={seq_len} must be a multiple of nano_batches={nano_batches}")
+        if nano_batches not in (1, 2) or seq_len % nano_batches:
+            raise ValueError(f"nano_batches must be 1 or 2 and divide seq_len={seq_len}, got {nano_batches}")
         self.stream = stream
         self.group, self.ca_rank, self.ca_degree, self.seq_len, self.seed = group, ca_rank, ca_degree, seq_len, seed
         self.nano_batches = nano_batches
@@ -395,17 +395,15 @@ class CAPackedDataset(IterableDataset, Stateful):
         }
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        n, t = self.nano_batches, self.seq_len // self.nano_batches
         while True:
-            parts, state = [], self._state
-            for _ in range(n):
-                w = group_window(self.stream, state, self.ca_degree, t)
-                parts.append(rank_batch(w, self.ca_rank, t))
-                state = w.next_state
+            w = group_window(self.stream, self._state, self.ca_degree, self.seq_len)
             # Advance before yielding: a state_dict taken after this item resumes at the next one.
-            self._state = state
+            self._state = w.next_state
             self._step += 1
-            yield parts[0] if n == 1 else _join_nano_batches(parts)
+            if self.nano_batches == 1:
+                yield rank_batch(w, self.ca_rank, self.seq_len)
+            else:
+                yield nano_rank_batch(w, self.ca_rank, self.seq_len)
 
     def state_dict(self) -> dict[str, Any]:
         return {"doc": self._state.doc, "offset": self._state.offset, "step": self._step, **self._identity()}
@@ -422,19 +420,33 @@ class CAPackedDataset(IterableDataset, Stateful):
         self._step = int(state_dict["step"])
 
 
-def _join_nano_batches(parts: list) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """One rank's item from its nano-batch items: rows concatenated, one ``cu_seqlens`` key per nano-batch.
+def nano_rank_batch(window: GroupWindow, ca_rank: int, tokens_per_rank: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Rank ``ca_rank``'s item for two nano-batches that keep documents whole.
 
-    Nano-batch ``i`` holds rows ``[i*T/n, (i+1)*T/n)`` of the rank's ``[1, T]`` and its own group
-    window (``cu_seqlens`` for ``i = 0``, ``cu_seqlens_{i}`` after), so each is planned alone.
+    The window is split with ``distca.split_nano_batches(..., "stream")``: nano-batch ``n`` is the
+    ``n``-th half of the group's stream, and the rank holds its ``ca_rank``-th ``T/2`` tokens of
+    each (rows ``[0, T/2)`` then ``[T/2, T)`` of its ``[1, T]``). The tokens, labels and positions
+    are the window's, so the step trains on exactly the tokens ``nano_batches = 1`` would. Keys:
+    ``cu_seqlens`` and ``cu_seqlens_1`` (each nano-batch's layout) and ``context_1`` (int64
+    [k, 3], ``Layout.context`` of nano-batch 1: the document it continues, if any).
     """
-    inputs = {
-        "input": torch.cat([p[0]["input"] for p in parts], dim=1),
-        "positions": torch.cat([p[0]["positions"] for p in parts], dim=1),
+    from distca import Layout, split_nano_batches
+
+    T = tokens_per_rank
+    R = window.tokens.numel() // T
+    if not 0 <= ca_rank < R or R * T != window.tokens.numel() or T % 2:
+        raise ValueError(f"ca_rank must be in [0, {R}) and T={T} even and dividing the window")
+    lays = split_nano_batches(Layout(tuple(window.cu_seqlens.tolist()), R, T), "stream")
+    half = T // 2
+    rows = torch.cat([torch.arange(n * R * half + ca_rank * half, n * R * half + (ca_rank + 1) * half) for n in (0, 1)])
+    input_dict = {
+        "input": window.tokens[rows].unsqueeze(0),  # [1, T]
+        "positions": window.positions[rows].unsqueeze(0),  # [1, T]
+        "cu_seqlens": torch.tensor(lays[0].cu_seqlens, dtype=torch.int64),
+        "cu_seqlens_1": torch.tensor(lays[1].cu_seqlens, dtype=torch.int64),
+        "context_1": torch.tensor(lays[1].context, dtype=torch.int64).reshape(-1, 3),
     }
-    for i, p in enumerate(parts):
-        inputs["cu_seqlens" if i == 0 else f"cu_seqlens_{i}"] = p[0]["cu_seqlens"]
-    return inputs, torch.cat([p[1] for p in parts], dim=1)
+    return input_dict, window.labels[rows].unsqueeze(0)
 
 
 def load_tokenizer(path: str | Path = TOKENIZER_PATH):
@@ -471,9 +483,9 @@ def build_ca_dataloader(
         seq_len: T, tokens per rank per step.
         seed: shuffling (stdlib) / generation (synthetic) seed; every rank must pass the same.
         doc_scale: synthetic document-length multiplier or ``"auto"`` (see ``make_stream``).
-        nano_batches: n > 1 splits each step into n consecutive group windows of
-            ``ca_degree * seq_len / n`` tokens (ping-pong): the rank's row is its n slices
-            concatenated, with keys ``cu_seqlens``, ``cu_seqlens_1``, ... (one per window).
+        nano_batches: 2 splits each step's window into two nano-batches that keep documents
+            whole (ping-pong; see :func:`nano_rank_batch`): the same tokens as 1, with keys
+            ``cu_seqlens``, ``cu_seqlens_1`` and ``context_1``.
     """
     from dataclasses import asdict
 

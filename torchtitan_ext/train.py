@@ -136,12 +136,14 @@ class CoreAttentionTrainer(Trainer):
         input_dict = dict(input_dict)
         keys = sorted((k for k in input_dict if k.startswith("cu_seqlens")), key=lambda k: (len(k), k))
         cu_seqlens = [input_dict.pop(k) for k in keys]  # one per nano-batch
+        # Nano-batch i > 0 may continue documents of nano-batch i - 1 (data.nano_rank_batch).
+        contexts = [None] + [input_dict.pop(f"context_{i}", None) for i in range(1, len(keys))]
         if self.ca is None:
             # Upstream behaviour: plain causal attention over the row, positions 0..T-1.
             input_dict.pop("positions", None)
         else:
             # positions stay in input_dict: llama3's forward(tokens, positions=...) indexes RoPE by them.
-            self.ca.prepare(cu_seqlens)
+            self.ca.prepare(cu_seqlens, contexts)
         return super().post_dataloading_process(input_dict, labels)
 
     def train_step(self, data_iterator) -> None:
