@@ -12,9 +12,10 @@ configuration, so every configuration trains on the same batches in the same pro
     per_doc_cp          per-document head-tail context parallelism (ping-pong with 2 nano-batches)
     distca_pingpong_keep   as distca_pingpong with servers keeping Q/K/V for backward
 
-Workloads (documents never cross a rank's row, so "off" is plain packing; the layout is
-defined per nano-batch window of ``T/2`` tokens per rank, and every configuration runs
-the same two windows per step):
+Workloads (documents never cross a rank's row, so "off" is plain packing). With two
+nano-batches each rank's row is split in halves (``distca.split_nano_batches(..., "rows")``):
+a document cut by the split continues in nano-batch 1, which reads nano-batch 0's K/V, so
+every configuration computes the same attention as without nano-batches:
 
     skewed    rank 0: one document filling its row; other ranks: 256-token documents
     prolong   ProLong lengths (``distca/data``), lengths scaled by T/131072 (the paper's
@@ -68,7 +69,8 @@ MODELS = {
     # torchtitan's llama3 debugmodel: dim 256, 6 layers, 16 heads (head dim 16)
     "debug": dict(flavor="debugmodel", tokens_per_rank=8192, repeats=3),
     # a shape with Llama's head dim (64) and GQA, where linear layers are a realistic share
-    "wide": dict(flavor="bench_wide", tokens_per_rank=4096, repeats=2),
+    # keep mode's memory is reported on "debug"; leaving it out here keeps the default run in 20 min
+    "wide": dict(flavor="bench_wide", tokens_per_rank=4096, repeats=2, skip_by_default=("distca_pingpong_keep",)),
 }
 SHORT_DOC, UNIFORM_DOC, PROLONG_BUDGET = 256, 512, 131072
 VOCAB = 2048  # both flavors
@@ -78,8 +80,8 @@ _MiB = 1 << 20
 # ---- workloads (pure) ----------------------------------------------------------------------------
 
 
-def rank_docs(workload: str, ranks: int, t: int, batch: int, nano: int, seed: int = 0) -> list[list[int]]:
-    """Document lengths per rank for one nano-batch window (each rank's lengths sum to ``t``)."""
+def rank_docs(workload: str, ranks: int, t: int, batch: int, seed: int = 0) -> list[list[int]]:
+    """Document lengths per rank for one step (each rank's row of ``t`` tokens)."""
     if workload == "skewed":
         return [[t]] + [[SHORT_DOC] * (t // SHORT_DOC) + ([t % SHORT_DOC] if t % SHORT_DOC else [])] * (ranks - 1)
     if workload == "uniform":
@@ -89,8 +91,8 @@ def rank_docs(workload: str, ranks: int, t: int, batch: int, nano: int, seed: in
     from distca.doclens import load_doclens
 
     lens = load_doclens("prolong")
-    rng = np.random.default_rng([seed, batch, nano])
-    scale = 2 * t / PROLONG_BUDGET
+    rng = np.random.default_rng([seed, batch])
+    scale = t / PROLONG_BUDGET
     rows, row, room, carry = [], [], t, 0
     while len(rows) < ranks:
         n = carry or max(1, int(round(float(lens[rng.integers(lens.size)]) * scale)))
@@ -158,28 +160,25 @@ def _worker(args: argparse.Namespace) -> None:
             self.rank, self.ranks, self.T, self.vocab = rank, ranks, T, vocab
 
         def __iter__(self):
-            n = args.nano_batches
-            t, step = self.T // n, 0
+            R, T, step = self.ranks, self.T, 0
             while True:
                 batch = step // len(configs)
-                parts = []
-                for nano in range(n):
-                    docs = rank_docs(args.workload, self.ranks, t, batch, nano, args.seed)
-                    g = torch.Generator().manual_seed(batch * 2 + nano)
-                    toks = torch.randint(0, self.vocab, (self.ranks * t,), generator=g)
-                    cu = _cu(docs)
-                    pos = torch.cat([torch.arange(n) for row in docs for n in row])
-                    lab = torch.roll(toks, -1)
-                    lab[torch.tensor(cu[1:]) - 1] = -100  # no label across documents
-                    sl = slice(self.rank * t, (self.rank + 1) * t)
-                    parts.append((toks[sl], pos[sl], lab[sl], torch.tensor(cu)))
-                inputs = {
-                    "input": torch.cat([p[0] for p in parts])[None],
-                    "positions": torch.cat([p[1] for p in parts])[None],
-                }
-                for i, p in enumerate(parts):
-                    inputs["cu_seqlens" if i == 0 else f"cu_seqlens_{i}"] = p[3]
-                yield inputs, torch.cat([p[2] for p in parts])[None]
+                docs = rank_docs(args.workload, R, T, batch, args.seed)
+                toks = torch.randint(0, self.vocab, (R * T,), generator=torch.Generator().manual_seed(batch))
+                cu = _cu(docs)
+                pos = torch.cat([torch.arange(n) for row in docs for n in row])
+                lab = torch.roll(toks, -1)
+                lab[torch.tensor(cu[1:]) - 1] = -100  # no label across documents
+                sl = slice(self.rank * T, (self.rank + 1) * T)
+                inputs = {"input": toks[sl][None], "positions": pos[sl][None], "cu_seqlens": torch.tensor(cu)}
+                if args.nano_batches == 2:
+                    # Half of every rank's row per nano-batch; a document cut by the split
+                    # continues in nano-batch 1, which reads nano-batch 0's K/V.
+                    n0, n1 = distca.split_nano_batches(distca.Layout(tuple(cu), R, T), "rows")
+                    inputs["cu_seqlens"] = torch.tensor(n0.cu_seqlens)
+                    inputs["cu_seqlens_1"] = torch.tensor(n1.cu_seqlens)
+                    inputs["context_1"] = torch.tensor(n1.context, dtype=torch.int64).reshape(-1, 3)
+                yield inputs, lab[sl][None]
                 step += 1
 
     def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, **kw):
@@ -428,6 +427,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "outputs/bench_train"))
     p.add_argument("--json", action="store_true", help="one JSON object per line per (model, workload)")
     a = p.parse_args(argv)
+    a.default_configs = a.configs is None
     if a.configs is None:
         a.configs = DEFAULT_CONFIGS[a.nano_batches]
     if "off" not in a.configs:
@@ -445,12 +445,15 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     cmd = "python scripts/bench_train.py " + " ".join(sys.argv[1:] if argv is None else argv)
     for model in args.models:
+        margs = argparse.Namespace(**vars(args))
+        if args.default_configs:
+            margs.configs = [c for c in args.configs if c not in MODELS[model].get("skip_by_default", ())]
         for workload in args.workloads:
             out = Path(args.out) / f"{model}_{workload}"
             t0 = time.perf_counter()
-            rows = _launch(model, workload, args, out)
+            rows = _launch(model, workload, margs, out)
             T = args.tokens_per_rank or MODELS[model]["tokens_per_rank"]
-            s = summarize(rows, model, workload, T, args.ranks, args.configs)
+            s = summarize(rows, model, workload, T, args.ranks, margs.configs)
             s["command"], s["wall_s"] = cmd, round(time.perf_counter() - t0, 1)
             png = out / "bench_train.png"
             try:

@@ -18,7 +18,7 @@ import bench_train as bt  # noqa: E402
 @pytest.mark.parametrize("ranks, t", [(2, 4096), (4, 1000)])
 def test_rank_docs_fill_every_row(workload, ranks, t):
     for batch in range(3):
-        rows = bt.rank_docs(workload, ranks, t, batch, nano=batch % 2)
+        rows = bt.rank_docs(workload, ranks, t, batch)
         assert len(rows) == ranks and all(sum(r) == t and min(r) >= 1 for r in rows), rows
     if workload == "skewed":
         assert rows[0] == [t] and max(rows[1]) <= bt.SHORT_DOC
