@@ -407,12 +407,14 @@ class _Balancer:
         self.moved: list[tuple[int, int, int, int]] = []
         self.doc_recv: dict[int, list[int]] = {}  # servers that were given chunks of a document
         # Only a donor's heaviest pieces are worth cutting (their chunks have the
-        # most work per byte), and looking at few keeps planning fast.
+        # most work per byte), and looking at few keeps planning fast. Eight, not
+        # four: when a deep piece's smallest chunk overshoots the band, a lighter
+        # piece must still be there to give.
         order = np.lexsort((np.arange(s.rank.size), -seg_time, s.rank))
         rank_sorted = s.rank[order]
         first = np.searchsorted(rank_sorted, np.arange(self.R))
         within = np.arange(order.size) - first[rank_sorted]
-        top = order[within < 4]
+        top = order[within < 8]
         self.top_pieces: list[list[int]] = [[] for _ in range(self.R)]
         for r, i in zip(s.rank[top].tolist(), top.tolist()):
             self.top_pieces[r].append(i)

@@ -3,11 +3,15 @@
     python scripts/calibrate.py                       # CPU, prints the fit
     python scripts/calibrate.py --write               # and stores distca/data/cost_cpu.json
     python scripts/calibrate.py --device cuda --name h200 --dtype bf16 --heads 32 --kv-heads 8 --head-dim 128 --write
+    python scripts/calibrate.py --refit calibration.json --name h200 --write   # refit stored measurements
 
 Model (see distca/cost.py): t = task_s * tasks + q_token_s * sum(q) + kv_token_s * sum(kv)
 + pair_s * sum(pairs) + (pair_s * half_q) * sum(pairs / q), fitted by non-negative least
-squares over fused batches of tasks of many shard sizes and depths; ``bwd_factor`` is the
-measured (fwd+bwd)/fwd - 1 over the same batches.
+squares over fused batches of tasks of many shard sizes and depths. ``bwd_factor`` is the
+median measured (fwd+bwd)/fwd - 1 over the same batches, and the fit's target is
+(fwd+bwd) / (1 + bwd_factor): a training step pays forward and backward, and the backward's
+share varies with shard size (small shards cost far more in backward), so balancing the
+forward alone leaves the backward unbalanced.
 """
 
 from __future__ import annotations
@@ -89,6 +93,46 @@ def nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
+def device_desc(device: torch.device) -> str:
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    return f"{device.type} ({name}), {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def fit(rows: list[dict], args: argparse.Namespace, desc: str) -> tuple[CostModel, tuple[float, ...]]:
+    """Fit the cost model to measured batches (dicts with shard, depth, fwd_s, fwdbwd_s).
+
+    Returns the model and (median, max) relative errors of fwd+bwd, then of fwd.
+    """
+    A = np.array([features(batch_spec(r["shard"], r["depth"], args.rows)) for r in rows])
+    tf = np.array([r["fwd_s"] for r in rows])
+    tb = np.array([r["fwdbwd_s"] for r in rows])
+    bwd_factor = float(np.median(tb / tf - 1.0))
+    y = tb / (1.0 + bwd_factor)  # training time, in forward units
+    w = 1.0 / y  # relative least squares: every batch counts, not only the slowest
+    x = nnls(A * w[:, None], y * w)
+    task_s, q_s, kv_s, pair_s, c5 = x.tolist()
+    pred = A @ x
+    e_b, e_f = np.abs(pred / y - 1), np.abs(pred / tf - 1)
+    errs = (float(np.median(e_b)), float(np.max(e_b)), float(np.median(e_f)), float(np.max(e_f)))
+    cm = CostModel(
+        name=args.name or args.device.split(":")[0],
+        pair_s=pair_s,
+        q_token_s=q_s,
+        kv_token_s=kv_s,
+        task_s=task_s,
+        half_q=c5 / pair_s if pair_s > 0 else 0.0,
+        ref_heads=args.heads,
+        ref_kv_heads=args.kv_heads,
+        ref_head_dim=args.head_dim,
+        bwd_factor=bwd_factor,
+        source=(
+            f"scripts/calibrate.py on {desc}, {args.dtype}; fitted to (fwd+bwd)/(1+bwd_factor); "
+            f"median |rel err| {errs[0]:.3f} fwd+bwd, {errs[2]:.3f} fwd"
+        ),
+    )
+    return cm, errs
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -104,11 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default=None, help="cost model name (default: the device type)")
     ap.add_argument("--write", action="store_true", help="store distca/data/cost_<name>.json")
     ap.add_argument("--out", default=None, help="also write the fit and measurements to this JSON file")
+    ap.add_argument("--refit", default=None, help="fit the measurements stored in this JSON file (--out's, or gpu_check's calibration.json) instead of measuring")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    rows, A, tf, tb = [], [], [], []
+    rows = []
+    if args.refit:
+        stored = json.loads(Path(args.refit).read_text())
+        for k, v in (stored.get("grid") or {}).items():  # the grid the measurements were taken on
+            setattr(args, k.replace("-", "_"), v)
+        rows = stored["measurements"]
+        args.depths = []  # measure nothing
     for depth in args.depths:
         for q in args.shards:
             if q > depth:
@@ -116,43 +167,24 @@ def main(argv: list[str] | None = None) -> int:
             tasks = batch_spec(q, depth, args.rows)
             fwd = time_batch(tasks, args, device, dtype, backward=False)
             both = time_batch(tasks, args, device, dtype, backward=True)
-            A.append(features(tasks))
-            tf.append(fwd)
-            tb.append(both)
             rows.append({"shard": q, "depth": depth, "tasks": len(tasks), "fwd_s": fwd, "fwdbwd_s": both})
             print(f"shard {q:>5} depth {depth:>6} tasks {len(tasks):>4}: fwd {fwd * 1e3:8.2f} ms  fwd+bwd {both * 1e3:8.2f} ms", flush=True)
-    A, tf, tb = np.array(A), np.array(tf), np.array(tb)
-    # Relative least squares: every batch counts, not only the slowest.
-    w = 1.0 / tf
-    x = nnls(A * w[:, None], tf * w)
-    task_s, q_s, kv_s, pair_s, c5 = x.tolist()
-    pred = A @ x
-    cm = CostModel(
-        name=args.name or device.type,
-        pair_s=pair_s,
-        q_token_s=q_s,
-        kv_token_s=kv_s,
-        task_s=task_s,
-        half_q=c5 / pair_s if pair_s > 0 else 0.0,
-        ref_heads=args.heads,
-        ref_kv_heads=args.kv_heads,
-        ref_head_dim=args.head_dim,
-        bwd_factor=float(np.median(tb / tf - 1.0)),
-        source=(
-            f"scripts/calibrate.py on {device.type} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), "
-            f"{args.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
-            f"median |rel err| {float(np.median(np.abs(pred / tf - 1))):.3f}"
-        ),
-    )
+    if args.refit:
+        measured_on = str((stored.get("model") or {}).get("source", "")).split(", fitted")[0].split("; ")[0]
+        desc = f"{measured_on.replace('scripts/calibrate.py on ', '') or 'stored measurements'} (refit of {Path(args.refit).name})"
+    else:
+        desc = device_desc(device)
+    cm, errs = fit(rows, args, desc)
     print(cm.to_json())
-    print(f"fit: median |relative error| {np.median(np.abs(pred / tf - 1)):.3f}, max {np.max(np.abs(pred / tf - 1)):.3f}")
+    print("fit: median |relative error| fwd+bwd {:.3f} (max {:.3f}), fwd {:.3f} (max {:.3f})".format(*errs))
     if args.write:
         path = Path(__file__).resolve().parents[1] / "distca" / "data" / f"cost_{cm.name}.json"
         path.write_text(cm.to_json() + "\n")
         print(f"wrote {path}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"model": asdict(cm), "measurements": rows}, indent=2))
+        grid = {k: getattr(args, k) for k in ("dtype", "heads", "kv_heads", "head_dim", "rows")}
+        Path(args.out).write_text(json.dumps({"model": asdict(cm), "grid": grid, "measurements": rows}, indent=2))
     return 0
 
 
