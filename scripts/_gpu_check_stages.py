@@ -317,6 +317,28 @@ def _op_attempt(backend: str, args, res: dict) -> bool:
                 errs[name] = {"max_abs_err": err, "tol": tol, "ok": bool(err <= tol and math.isfinite(err))}
                 ok &= errs[name]["ok"]
             r["checks"][mode] = errs
+        # Two nano-batches that keep documents whole (rows [0, T/2) and [T/2, T); a document crosses
+        # the split, so nano-batch 1 reads nano-batch 0's K/V): together equal to attention over the row.
+        lens2 = [T // 8, T // 2, T // 4]
+        lens2.append(T - sum(lens2))
+        cu2 = np.concatenate([[0], np.cumsum(lens2)]).tolist()
+        n0, n1 = distca.split_nano_batches(distca.Layout(tuple(cu2), 1, T), "rows")
+        ref32n = _op_reference(q, k, v, cu2, dout, torch.float32 if dt != torch.float32 else torch.float64)
+        ref16n = _op_reference(q, k, v, cu2, dout, dt)
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        h = T // 2
+        o0 = distca.core_attention(qq[:h], kk[:h], vv[:h], None, plan=distca.prepare(n0))
+        o1 = distca.core_attention(qq[h:], kk, vv, None, plan=distca.prepare(n1))  # context: [k0; k1] = k
+        out = torch.cat([o0, o1])
+        out.backward(dout)
+        errs = {"context": [list(c) for c in n1.context]}
+        for name, x, a, b in zip(("out", "dq", "dk", "dv"), (out.detach(), qq.grad, kk.grad, vv.grad), ref32n, ref16n):
+            err = float((x.float() - a).abs().max())
+            tol = 2 * float((b - a).abs().max()) + 2.0**-7 * max(1.0, float(a.abs().max()))
+            errs[name] = {"max_abs_err": err, "tol": tol, "ok": bool(err <= tol and math.isfinite(err))}
+            ok &= errs[name]["ok"]
+        ok &= bool(n1.context)
+        r["checks"]["nano_batches_whole_documents"] = errs
         # Time: the op (group of 1: no exchange) against the bare fused kernel on the same layout.
         meta = (cu_t.to(dev), cu_t.to(dev), max(lens), max(lens), d**-0.5, True, r["kernel_backend"])
 
