@@ -12,3 +12,28 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+# ---- torchtitan runs shared by tests/test_torchtitan_ext.py and tests/test_pingpong.py ----------
+
+
+@pytest.fixture(scope="session")
+def titan_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("titan")
+
+
+@pytest.fixture(scope="session")
+def seed_ckpt(titan_dir):
+    """One seed checkpoint for every run: FSDP-sharded and unsharded init_weights draw different numbers."""
+    import test_torchtitan_ext as tt
+
+    tt._torchrun(1, titan_dir / "seed", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
+    return titan_dir / "seed/checkpoint/step-0"
+
+
+@pytest.fixture(scope="session")
+def two(titan_dir, seed_ckpt):
+    """CAD on 2 processes, eager, no nano-batches; a full checkpoint at step 5 (for the resume test)."""
+    import test_torchtitan_ext as tt
+
+    return tt._from_seed(2, titan_dir, seed_ckpt, "two", "--checkpoint.interval", "5")

@@ -288,16 +288,8 @@ def _losses(run) -> list[float]:
     return [loss[s] for s in sorted(loss)]
 
 
-@pytest.fixture(scope="module")
-def titan_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("titan")
-
-
-@pytest.fixture(scope="module")
-def seed_ckpt(titan_dir):
-    """One seed checkpoint for every run: FSDP-sharded and unsharded init_weights draw different numbers."""
-    _torchrun(1, titan_dir / "seed", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
-    return titan_dir / "seed/checkpoint/step-0"
+# titan_dir, seed_ckpt and two are session fixtures (tests/conftest.py): tests/test_pingpong.py
+# compares its runs with the same "two" run.
 
 
 def _from_seed(nproc: int, titan_dir: Path, seed_ckpt: Path, name: str, *args: str, launcher=_LAUNCHER):
@@ -307,12 +299,6 @@ def _from_seed(nproc: int, titan_dir: Path, seed_ckpt: Path, name: str, *args: s
         "--checkpoint.interval", "100000", *args, launcher=launcher,
     )  # fmt: skip
     return log, _scalars(folder), folder
-
-
-@pytest.fixture(scope="module")
-def two(titan_dir, seed_ckpt):
-    """CAD on 2 processes, eager; a full checkpoint at step 5 (for the resume test)."""
-    return _from_seed(2, titan_dir, seed_ckpt, "two", "--checkpoint.interval", "5")
 
 
 @pytest.fixture(scope="module")
