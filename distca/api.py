@@ -77,6 +77,7 @@ def prepare(
     group: dist.ProcessGroup | "torch.distributed.device_mesh.DeviceMesh" | None = None,
     *,
     tokens_per_rank: int | None = None,
+    context: tuple[tuple[int, int, int], ...] = (),
     policy: Policy = "distca",
     **plan_kwargs,
 ) -> DispatchPlan:
@@ -89,13 +90,17 @@ def prepare(
             ``plan_kwargs`` (see :func:`distca.plan`).
         group: the CA group (ProcessGroup, DeviceMesh with a "ca" dim, or None: world).
         tokens_per_rank: T; default cu_seqlens[-1] / R.
+        context: with cu_seqlens, the documents this nano-batch continues from the previous
+            one (:attr:`Layout.context`).
 
     Raises ``ValueError`` on every rank if the layouts differ across ranks.
     """
     pg = resolve_group(group)
     R, rank = dist.get_world_size(pg), dist.get_rank(pg)
     err = None
-    if isinstance(plan_or_cu_seqlens, Plan):
+    if context and isinstance(plan_or_cu_seqlens, (Plan, Layout)):
+        p, err = None, "context is for cu_seqlens; a Plan or Layout carries its own (Layout.context)"
+    elif isinstance(plan_or_cu_seqlens, Plan):
         p = plan_or_cu_seqlens
         if p.layout.ranks != R:
             err = f"plan is for {p.layout.ranks} ranks but the CA group has {R}"
@@ -115,7 +120,7 @@ def prepare(
         try:
             if T < 1:
                 raise ValueError(f"cu_seqlens[-1]={total} is not a positive multiple of the group size {R}")
-            p = make_plan(Layout(tuple(cu.tolist()), R, T), policy, **plan_kwargs)
+            p = make_plan(Layout(tuple(cu.tolist()), R, T, tuple(map(tuple, context))), policy, **plan_kwargs)
         except (ValueError, TypeError) as e:
             err, p = str(e), None
     fields = {"cu_seqlens (plan digest)": int(p.digest()[:15], 16) if p is not None else 0}
@@ -215,9 +220,10 @@ def _dkv_unique(m: DispatchMeta, dk: torch.Tensor, dv: torch.Tensor) -> torch.Te
     return dkv.new_zeros((n_recv, *dkv.shape[1:])).index_add_(0, m.kv_task_idx, dkv).to(dk.dtype)
 
 
-def _dkv_home(m: DispatchMeta, back: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Home side: returned dK/dV rows summed (fp32) over servers into local rows; two fp32 [T, Hkv, D]
-    (``T`` = the K/V rows, ``m.kv_rows``)."""
+def _dkv_home(m: DispatchMeta, back: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Home side: returned dK/dV rows summed (fp32) over servers into local rows; two fp32
+    [m.kv_rows, Hkv, D]."""
+    T = m.kv_rows
     hkv = back.shape[1] // 2
     if "kv_send_idx" in m.identity and back.shape[0] == T:  # each local row sent once, in order
         home = back.float()
@@ -226,10 +232,10 @@ def _dkv_home(m: DispatchMeta, back: torch.Tensor, T: int) -> tuple[torch.Tensor
     return home[:, :hkv], home[:, hkv:]
 
 
-def _return_dkv(m: DispatchMeta, pg, dk: torch.Tensor, dv: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _return_dkv(m: DispatchMeta, pg, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Server -> home dK/dV: summed over a row's replicas on the server, then over servers at home."""
     back = all_to_all_rows(_dkv_unique(m, dk, dv), m.kv_recv_splits, m.kv_send_splits, pg, m.local_only)
-    return _dkv_home(m, back, T)
+    return _dkv_home(m, back)
 
 
 # ---- the ops --------------------------------------------------------------------------------
@@ -327,7 +333,7 @@ def _core_attention_bwd(
         m.max_seqlen_q, m.max_seqlen_k, softmax_scale, True, kernel_backend,
     )  # fmt: skip
     (dq_home,) = _return_q_rows(m, pg, dqs)
-    dk_home, dv_home = _return_dkv(m, pg, dks, dvs, k.shape[0])
+    dk_home, dv_home = _return_dkv(m, pg, dks, dvs)
     dq.copy_(dq_home)
     dk.copy_(dk_home)
     dv.copy_(dv_home)
@@ -362,8 +368,7 @@ class _CoreAttentionFn(torch.autograd.Function):
 # ---- public API -----------------------------------------------------------------------------
 
 
-def _local_error(q, k, v, cu: np.ndarray | None, T_plan: int, R: int, kv_rows: int | None = None) -> str | None:
-    kv_rows = T_plan if kv_rows is None else kv_rows
+def _local_error(q, k, v, cu: np.ndarray | None, T_plan: int, R: int, kv_rows: int) -> str | None:
     if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
         return "q, k and v must be torch.Tensors"
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:

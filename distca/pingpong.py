@@ -213,7 +213,7 @@ class Flight:
         if len(back) == 2:
             dk, dv = back
         else:
-            dk, dv = _dkv_home(m, back[0], m.kv_rows)
+            dk, dv = _dkv_home(m, back[0])
         self.bwd = {}
         return dq, dk.to(self.dtype), dv.to(self.dtype)
 

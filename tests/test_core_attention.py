@@ -106,6 +106,12 @@ def _errors_worker(rank, world):
     expect("ranks", lambda: distca.prepare(distca.plan(distca.Layout((0, 3 * T), 3, T))))
     # cu_seqlens that do not match the plan's layout.
     expect("cu_mismatch", lambda: distca.core_attention(q, k, v, [0, 6, world * T], plan=dp))
+    # A nano-batch that continues a document needs K/V [2T]: [previous rows; this one's].
+    dpc = distca.prepare(cu, context=((0, 3, 2 * T),))
+    expect("context_kv_rows", lambda: distca.core_attention(q, k, v, None, plan=dpc))
+    expect("context_bad", lambda: distca.prepare(cu, context=((0, 3, 2 * T + 1),) if rank == 0 else ((0, 3, 2 * T),)))
+    out_c = distca.core_attention(q, torch.cat([k, k]), torch.cat([v, v]), None, plan=dpc)
+    assert out_c.shape == q.shape and torch.isfinite(out_c).all()
     # Nothing was half-changed: a valid call still works and is deterministic.
     out = distca.core_attention(q, k, v, cu, plan=dp)
     assert out.shape == q.shape and torch.isfinite(out).all()
@@ -119,7 +125,7 @@ def _errors_worker(rank, world):
 def test_bad_input_raises_on_every_rank_without_hanging():
     world = 2
     res = run_workers(_errors_worker, world, timeout=120)
-    for name in ("cu_differs", "T_differs", "gqa", "dtype", "ranks", "cu_mismatch"):
+    for name in ("cu_differs", "T_differs", "gqa", "dtype", "ranks", "cu_mismatch", "context_kv_rows", "context_bad"):
         for r in range(world):
             assert res[r][name] is not None, f"rank {r} did not raise for {name}"
     assert "differ across the ranks" in res[0]["cu_differs"]
@@ -128,6 +134,8 @@ def test_bad_input_raises_on_every_rank_without_hanging():
     assert "share a dtype" in res[1]["dtype"]
     assert "plan is for 3 ranks but the CA group has 2" in res[0]["ranks"]
     assert "cu_seqlens differ from the layout" in res[0]["cu_mismatch"]
+    assert "k has 16 rows but the plan needs 32" in res[0]["context_kv_rows"] and "cat([k_prev, k])" in res[1]["context_kv_rows"]
+    assert "context[0]: need 1 <= tokens <= end <= R*T" in res[0]["context_bad"] and "another rank" in res[1]["context_bad"]
 
 
 def _dtensor_worker(rank, world):

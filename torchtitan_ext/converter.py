@@ -146,14 +146,7 @@ class StepContext:
         if self.cfg.capacity_mib > 0 and self.cfg.policy == "distca":
             cap["capacity_bytes"] = int(self.cfg.capacity_mib * (1 << 20))
         t0 = time.perf_counter()
-        if ctx:  # a nano-batch continuing documents: plan its Layout (T from the group size)
-            R = dist.get_world_size(self.group)
-            total = int(cu[-1])
-            if total % R:
-                raise ValueError(f"cu_seqlens[-1]={total} is not a multiple of the CA group size {R}")
-            dp = distca.prepare(distca.Layout(tuple(cu.tolist()), R, total // R, ctx), self.mesh, policy=self.cfg.policy, **kw, **cap)
-        else:
-            dp = distca.prepare(cu, self.mesh, policy=self.cfg.policy, **kw, **cap)
+        dp = distca.prepare(cu, self.mesh, context=ctx, policy=self.cfg.policy, **kw, **cap)
         plan_s = time.perf_counter() - t0
         p = dp.plan
         base = p if self.cfg.policy == "colocated" else distca.plan(p.layout, "colocated", **kw)
