@@ -423,7 +423,7 @@ class _Balancer:
             # Colocated inputs: KV prefix rows and Q rows of each piece not held by its server.
             g0 = self.q_base[s.doc]
             lo, hi = s.rank * self.T, (s.rank + 1) * self.T
-            own_kv = np.asarray([self.own_kv(r_, d_, e_) for r_, d_, e_ in zip(s.rank.tolist(), s.doc.tolist(), s.end.tolist())], np.int64)
+            own_kv = _own_kv_rows(layout, s.rank, s.doc, s.end)
             own_q = np.maximum(0, np.minimum(g0 + s.end, hi) - np.maximum(g0 + s.start, lo))
             remote = (s.end - own_kv) * self.kvb + (s.end - s.start - own_q) * self.q_row
             self.recv = np.bincount(s.rank, remote, self.R).astype(np.float64)
@@ -520,18 +520,6 @@ class _Balancer:
             w_pairs *= (w / t) * (0.995 if it else 1.0)
         return i, k, x, e, t
 
-    def own_kv(self, j: int, d: int, e: int) -> int:
-        """KV rows of document d's prefix [0, e) that server j holds (as a home)."""
-        if e <= 0:
-            return 0
-        lo, hi = self.layout.kv_intervals(np.asarray([d]), np.asarray([e]))
-        T, RT = self.T, self.R * self.T
-        n = 0
-        for a, b in zip(lo[0].tolist(), hi[0].tolist()):
-            w = j * T - (RT if a < 0 else 0)  # j's rows in this or the previous nano-batch
-            n += max(0, min(b, w + T) - max(a, w))
-        return n
-
     def in_bytes(self, j: int, d: int, x: int, e: int) -> float:
         """Forward input bytes server j receives for queries [x, e) of document d."""
         g0 = int(self.q_base[d])
@@ -540,7 +528,8 @@ class _Balancer:
         have = self.kv_have.get((j, d), 0)
         kv_rows = 0
         if e > have:
-            kv_rows = (e - have) - (self.own_kv(j, d, e) - self.own_kv(j, d, have))
+            own_e, own_have = _own_kv_rows(self.layout, np.array([j, j]), np.array([d, d]), np.array([e, have])).tolist()
+            kv_rows = (e - have) - (own_e - own_have)
         return (e - x - own_q) * self.q_row + kv_rows * self.kvb
 
     def shed(
@@ -645,6 +634,14 @@ class _Balancer:
             np.concatenate([col[untouched], extra[:, k]])
             for k, col in enumerate((s.doc, s.start, s.end, s.rank))
         )
+
+
+def _own_kv_rows(layout: Layout, server: np.ndarray, doc: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """KV rows of each document's prefix [0, end) that its server holds as a home (arrays [M])."""
+    lo, hi = layout.kv_intervals(doc, end)  # [M, 2]: context (previous nano-batch), this one
+    T = layout.tokens_per_rank
+    w = (np.asarray(server, dtype=np.int64) * T)[:, None] - np.where(lo < 0, layout.total_tokens, 0)
+    return np.maximum(0, np.minimum(hi, w + T) - np.maximum(lo, w)).sum(axis=1)
 
 
 def _plan_distca(

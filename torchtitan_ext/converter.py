@@ -333,30 +333,28 @@ def _nano_block_forward(block, x, freqs_cis, attention_masks=None, positions=Non
     backend = None if ctx.cfg.backend == "auto" else ctx.cfg.backend
     kw = dict(mode=ctx.cfg.mode, backend=backend)
 
-    kv0 = []
-
-    def start(i):
+    def start(i, kv_prev=None):
+        """Pre-attention and dispatch of nano-batch i; returns its flight and its own (k, v)."""
         q, k, v = pre(block, xs[i], freqs_cis, ps[i])
-        if i == 0:
-            kv0[:] = [k, v]
-        elif ctx.plans[1].plan.layout.context:  # nano-batch 1 continues a document: its keys come first
-            k, v = torch.cat([kv0[0], k]), torch.cat([kv0[1], v])
-        return pingpong.start(q, k, v, plan=ctx.plans[i], **kw)
+        kk, vv = k, v
+        if kv_prev is not None and ctx.plans[i].plan.layout.context:  # continues a document: keys of 0 first
+            kk, vv = torch.cat([kv_prev[0], k]), torch.cat([kv_prev[1], v])
+        return pingpong.start(q, kk, vv, plan=ctx.plans[i], **kw), (k, v)
 
     if ctx.cfg.pingpong:
-        f0 = start(0)
-        f1 = start(1)
+        f0, kv0 = start(0)
+        f1, _ = start(1, kv0)
         pingpong.serve(f0)
         pingpong.serve(f1)
         y0 = post(block, xs[0], pingpong.finish(f0))
         y1 = post(block, xs[1], pingpong.finish(f1))
     else:
-        ys = []
-        for i in range(2):
-            f = start(i)
-            pingpong.serve(f)
-            ys.append(post(block, xs[i], pingpong.finish(f)))
-        y0, y1 = ys
+        f0, kv0 = start(0)
+        pingpong.serve(f0)
+        y0 = post(block, xs[0], pingpong.finish(f0))
+        f1, _ = start(1, kv0)
+        pingpong.serve(f1)
+        y1 = post(block, xs[1], pingpong.finish(f1))
     return torch.cat([y0, y1], dim=1)
 
 
