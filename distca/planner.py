@@ -404,7 +404,8 @@ class _Balancer:
         self.piece_t = seg_time.tolist()  # modelled seconds of each piece's kept ranges
         self.load = np.bincount(s.rank, seg_time, self.R).astype(np.float64)
         self.coef = (cm.task_s, cm.q_token_s, cm.kv_token_s, cm.pair_s, cm.half_q, cm.rect_s)
-        self.moved: list[tuple[int, int, int, int]] = []
+        self.moved: list[tuple[int, int, int, int]] = []  # (doc, x, e, receiver)
+        self.moved_from: list[tuple[int, int]] = []  # (piece, donor) of each moved chunk
         self.doc_recv: dict[int, list[int]] = {}  # servers that were given chunks of a document
         # Only a donor's heaviest pieces are worth cutting (their chunks have the
         # most work per byte), and looking at few keeps planning fast. Eight, not
@@ -614,6 +615,7 @@ class _Balancer:
                 self.piece_t[i] = after
                 load[j] += t
                 self.moved.append((doc, x, e, j))
+                self.moved_from.append((i, d))
                 recv = self.doc_recv.setdefault(doc, [])
                 if j not in recv:
                     recv.append(j)
@@ -623,6 +625,76 @@ class _Balancer:
                 if fill_to - load[j] > min_room:
                     active.add(j)
                     heapq.heappush(heap, (-(fill_to - load[j]), j))
+
+    def refine(self, hi_bound: float) -> None:
+        """Shift the boundary between a moved chunk and the donor's adjacent kept range until
+        the donor and the receiver meet, for every pair with one of them above ``hi_bound``.
+
+        The chunk grows or shrinks token by token, so this reaches a balance that new
+        chunks (at least ``min_shard`` tokens, deep in a document) cannot: with few
+        servers a single deep min-shard chunk can be several percent of the mean. The
+        pair's maximum never goes up, so neither does the plan's.
+        """
+        load, ms = self.load, self.min_shard
+        order = sorted(range(len(self.moved)), key=lambda k: -max(load[self.moved[k][3]], load[self.moved_from[k][1]]))
+        for k in order:
+            doc, x, e, j = self.moved[k]
+            i, d = self.moved_from[k]
+            now = max(load[d], load[j])
+            if now <= hi_bound:
+                continue
+            t_chunk = self.t(x, e)
+            best = None  # (max load, kept index, new kept range, new chunk)
+            for n, (u, v) in enumerate(self.intervals(i)):
+                if u == e:  # chunk [x, e) then kept [e, v): the boundary b is the chunk's end
+                    lo, hi = min(x + ms, e), v
+                    pair = lambda b, u=u, v=v: ((b, v), (x, b))  # noqa: E731
+                elif v == x:  # kept [u, x) then chunk [x, e): the boundary b is the chunk's start
+                    lo, hi = u, max(e - ms, x)
+                    pair = lambda b, u=u, v=v: ((u, b), (b, e))  # noqa: E731
+                else:
+                    continue
+                t_kept = self.t(u, v)
+
+                def loads(b):
+                    (ku, kv), (cx, ce) = pair(b)
+                    return load[d] - t_kept + self.t(ku, kv), load[j] - t_chunk + self.t(cx, ce)
+
+                # The receiver's share is monotone in b: bisect where it passes the donor's.
+                grows = u == e  # a larger b gives the receiver more
+                a, z = lo, hi
+                while z - a > 1:
+                    mid = (a + z) // 2
+                    ld, lj = loads(mid)
+                    if (lj >= ld) == grows:
+                        z = mid
+                    else:
+                        a = mid
+                for b in {a, z, u + ms, v - ms}:
+                    (ku, kv), (cx, ce) = pair(b)
+                    if not (lo <= b <= hi) or 0 < kv - ku < ms or ce - cx < min(ms, e - x):
+                        continue
+                    if self.cap is not None:
+                        more = self.in_bytes(j, doc, e, ce) if ce > e else self.in_bytes(j, doc, cx, x) if cx < x else 0.0
+                        if self.recv[j] + more > self.cap:
+                            continue
+                    m_ = max(loads(b))
+                    if m_ < now * (1.0 - 1e-9) and (best is None or m_ < best[0]):
+                        best = (m_, n, (ku, kv), (cx, ce))
+            if best is None:
+                continue
+            _, n, (ku, kv), (cx, ce) = best
+            ivs = self.intervals(i)
+            u, v = ivs[n]
+            self.free[i] = ivs[:n] + ([(ku, kv)] if kv > ku else []) + ivs[n + 1 :]
+            after = self.piece_t[i] - self.t(u, v) + self.t(ku, kv)
+            load[d] -= self.piece_t[i] - after
+            self.piece_t[i] = after
+            load[j] += self.t(cx, ce) - t_chunk
+            if self.cap is not None:
+                self.recv[j] += self.in_bytes(j, doc, e, ce) if ce > e else self.in_bytes(j, doc, cx, x) if cx < x else 0.0
+                self.kv_have[(j, doc)] = max(self.kv_have.get((j, doc), 0), ce)
+            self.moved[k] = (doc, cx, ce, j)
 
     def tasks(self):
         s = self.seg
@@ -693,6 +765,7 @@ def _plan_distca(
             # down to half the band below it.
             floor = mean * (1.0 - 0.5 * tolerance)
             bal.shed([int(r) for r in order if load[r] > mean], [int(r) for r in order[::-1] if load[r] < lo_bound], mean, hi_bound, 0.0, floor)
+    bal.refine(float(load.sum()) / R * (1.0 + overload))
     return bal.tasks()
 
 

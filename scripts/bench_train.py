@@ -152,6 +152,7 @@ def _worker(args: argparse.Namespace) -> None:
     from torchtitan_ext import train as tt
 
     configs = args.configs.split(",")
+    total_steps = args.steps
     rank_env = int(os.environ["RANK"])
 
     class Workload(IterableDataset):
@@ -251,13 +252,22 @@ def _worker(args: argparse.Namespace) -> None:
                 pass
             base = rss("VmRSS")
             kt["fwd"] = kt["bwd"] = 0.0
+            profiled = bool(args.profile) and self.step > total_steps - len(configs)
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profiled else None
             t0 = time.perf_counter()
-            super().train_step(data_iterator)
+            if prof is None:
+                super().train_step(data_iterator)
+            else:
+                with prof:
+                    super().train_step(data_iterator)
             dt = time.perf_counter() - t0
+            if prof is not None:  # an extra last cycle: the profiler's overhead stays out of the timings
+                table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+                (Path(args.out) / f"profile_{self._bench['config']}_rank{rank_env}.txt").write_text(table)
             rows.append(
                 {
                     **self._bench, "step": self.step, "batch": (self.step - 1) // len(configs), "rank": rank_env,
-                    "seconds": dt, "attn_fwd_s": kt["fwd"], "attn_bwd_s": kt["bwd"],
+                    "profiled": profiled, "seconds": dt, "attn_fwd_s": kt["fwd"], "attn_bwd_s": kt["bwd"],
                     "exposed_comm_s": self.run_stats.rows[-1].get("ca/exposed_comm_s", 0.0), "rss_base_MiB": base, "rss_peak_MiB": rss("VmHWM"),
                 }
             )  # fmt: skip
@@ -277,7 +287,8 @@ def _launch(model: str, workload: str, args: argparse.Namespace, out: Path) -> l
     out.mkdir(parents=True, exist_ok=True)
     spec = MODELS[model]
     T = args.tokens_per_rank or spec["tokens_per_rank"]
-    steps = len(args.configs) * ((args.repeats or spec["repeats"]) + 2)  # + memory and warm-up cycles
+    # + memory and warm-up cycles (+ one profiled cycle)
+    steps = len(args.configs) * ((args.repeats or spec["repeats"]) + 2 + bool(args.profile))
     # torchtitan parses the worker's argv (its ConfigManager binds sys.argv at import);
     # the bench's own settings travel in the environment.
     cmd = [
@@ -293,7 +304,8 @@ def _launch(model: str, workload: str, args: argparse.Namespace, out: Path) -> l
         *(["--compile.enable"] if args.compile else []),
     ]  # fmt: skip
     worker = dict(
-        workload=workload, configs=",".join(args.configs), out=str(out), seed=args.seed, nano_batches=args.nano_batches
+        workload=workload, configs=",".join(args.configs), out=str(out), seed=args.seed, nano_batches=args.nano_batches,
+        profile=args.profile, steps=steps,
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), DISTCA_BENCH_WORKER=json.dumps(worker))
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -310,7 +322,8 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
     """Aggregate the per-step rows of one launch (pure)."""
     by = {}  # (config, batch) -> [row per rank]
     for r in rows:
-        by.setdefault((r["config"], r["batch"]), []).append(r)
+        if not r.get("profiled"):
+            by.setdefault((r["config"], r["batch"]), []).append(r)
     batches = [b for b in sorted({b for _, b in by}) if b >= 2]  # 0: memory; 1: warm-up
     tokens = T * ranks
 
@@ -424,6 +437,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="windows per step (default 2); 1: one window of T per rank, whole documents up to T, no ping-pong configs",
     )  # fmt: skip
     p.add_argument("--compile", action="store_true", help="train with --compile.enable (the pieces around attention)")
+    p.add_argument(
+        "--profile", action="store_true",
+        help="one more cycle under torch.profiler (not timed); writes profile_<config>_rank<r>.txt per launch",
+    )  # fmt: skip
     p.add_argument("--timeout", type=float, default=1200, help="seconds per launch")
     p.add_argument("--out", default=str(ROOT / "outputs/bench_train"))
     p.add_argument("--json", action="store_true", help="one JSON object per line per (model, workload)")

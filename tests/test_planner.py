@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from distca import MODEL_SHAPES, POLICIES, CostModel, Layout, Plan, causal_pairs, plan
+from distca import MODEL_SHAPES, POLICIES, CostModel, Layout, Plan, causal_pairs, plan, split_nano_batches
 from distca.doclens import load_doclens, sample_doclens
 
 from test_layout import layouts, nano_layouts
@@ -224,3 +224,20 @@ def test_balancer_scalar_time_matches_cost_model():
         bal = _Balancer(lay, cm, SHAPE, 128, None)
         for a, b in [(0, 1), (0, 128), (100, 4000), (2999, 3000), (1234, 4321)]:
             assert bal.t(a, b) == pytest.approx(float(cm.task_time(a, b)), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "T,ms,cm,shape",
+    [(8192, 128, "cpu", "debug"), (8192, 64, "cpu", "debug"), (4096, 512, "h200", "llama3-8b"), (16384, 128, "h200", "llama3-8b")],
+)
+def test_distca_meets_the_band_with_two_servers(T, ms, cm, shape):
+    # One long document against short ones on two servers (the skewed benchmark): the
+    # smallest new chunk deep in the document (min_shard rows) is a few percent of the
+    # mean, more than the band, so the balancer must shift a chunk's boundary instead.
+    lay = Layout.from_doclens([T] + [256] * (T // 256), 2, T)
+    for part in (lay, *split_nano_batches(lay, "rows")):
+        p = plan(part, "distca", tolerance=0.05, min_shard=ms, cost_model=cm, shape=shape)
+        check_exact_cover(p)
+        assert p.loads.max() <= (1 + 0.05 / 5) * p.loads.mean() * (1 + 1e-9), (p.loads, p.tasks.tolist())
+        for d, s, e, _ in p.tasks.tolist():
+            assert e - s >= ms or part.doc_lens[d] < ms, (d, s, e)
