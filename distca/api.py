@@ -160,27 +160,51 @@ def _meta_on(entry: _Entry, device: torch.device) -> DispatchMeta:
 # ---- transport helpers (eager; called only from the mutating ops below) ------------------
 
 
-def _row_bytes(p: torch.Tensor) -> torch.Tensor:
-    """[N, ...] as [N, bytes] uint8. A size-1 last dim may carry any stride and still count as
-    contiguous (lse.t() with one head), but a byte view needs stride 1: copy then."""
-    x = p.reshape(p.shape[0], math.prod(p.shape[1:])).contiguous()
-    if x.shape[1] > 0 and x.stride(1) != 1:
-        x = x.clone(memory_format=torch.contiguous_format)
-    return x.view(torch.uint8)
+_Spec = tuple[tuple[int, ...], torch.dtype, int]
+"""A packed part: (row shape, dtype, byte offset in the row)."""
 
 
-def _pack(*parts: torch.Tensor) -> torch.Tensor:
-    """Concatenate row-aligned tensors [N, ...] of possibly different dtypes into one [N, bytes] uint8."""
-    return torch.cat([_row_bytes(p) for p in parts], dim=1)
+def _rows_of(m: DispatchMeta, name: str) -> torch.Tensor | None:
+    """The index ``name`` of ``m``, or None where it is the identity (no gather needed)."""
+    return None if name in m.identity else getattr(m, name)
 
 
-def _unpack(buf: torch.Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-    out, off = [], 0
-    for shape, dtype in specs:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        out.append(buf[:, off : off + nbytes].contiguous().view(dtype).reshape(buf.shape[0], *shape))
-        off += nbytes
-    return out
+def _typed(buf: torch.Tensor, spec: _Spec) -> torch.Tensor:
+    """Columns of a packed [N, W] uint8 buffer as the part [N, *shape] (a strided view)."""
+    shape, dtype, off = spec
+    size = torch.empty((), dtype=dtype).element_size()
+    cols = buf[:, off : off + math.prod(shape) * size]
+    return cols.view(dtype).view(buf.shape[0], *shape)
+
+
+def _pack(parts: tuple[torch.Tensor, ...], rows: torch.Tensor | None) -> tuple[torch.Tensor, list[_Spec]]:
+    """Rows ``rows`` (None: all) of row-aligned parts [N, ...], possibly of different dtypes,
+    gathered straight into one [n, W] uint8 message: one copy per part.
+
+    Parts go widest dtype first and W is padded to that dtype's size, so every part's
+    columns are aligned views of its dtype.
+    """
+    sizes = [p.element_size() for p in parts]
+    specs: list = [None] * len(parts)
+    off = 0
+    for i in sorted(range(len(parts)), key=lambda i: -sizes[i]):
+        specs[i] = (tuple(parts[i].shape[1:]), parts[i].dtype, off)
+        off += math.prod(parts[i].shape[1:]) * sizes[i]
+    width = -(-off // max(sizes)) * max(sizes)
+    n = parts[0].shape[0] if rows is None else rows.numel()
+    buf = torch.empty((n, width), dtype=torch.uint8, device=parts[0].device)
+    for p, spec in zip(parts, specs):
+        dst = _typed(buf, spec)
+        if rows is None:
+            dst.copy_(p)
+        else:
+            torch.index_select(p, 0, rows, out=dst)
+    return buf, specs
+
+
+def _unpack(buf: torch.Tensor, specs: list[_Spec], rows: torch.Tensor | None) -> list[torch.Tensor]:
+    """Rows ``rows`` (None: all) of each part of a packed buffer, each contiguous: one copy per part."""
+    return [_typed(buf, s).contiguous() if rows is None else torch.index_select(_typed(buf, s), 0, rows) for s in specs]
 
 
 def _send_q_rows(m: DispatchMeta, pg, *xs: torch.Tensor) -> list[torch.Tensor]:
@@ -188,9 +212,9 @@ def _send_q_rows(m: DispatchMeta, pg, *xs: torch.Tensor) -> list[torch.Tensor]:
     if len(xs) == 1:  # no packing: one copy fewer each way
         buf = all_to_all_rows(m.take(xs[0], "q_send_idx"), m.q_send_splits, m.q_recv_splits, pg, m.local_only)
         return [m.take(buf, "q_recv_to_task")]
-    specs = [(tuple(x.shape[1:]), x.dtype) for x in xs]
-    buf = all_to_all_rows(_pack(*(m.take(x, "q_send_idx") for x in xs)), m.q_send_splits, m.q_recv_splits, pg, m.local_only)
-    return [m.take(y, "q_recv_to_task") for y in _unpack(buf, specs)]
+    buf, specs = _pack(xs, _rows_of(m, "q_send_idx"))
+    buf = all_to_all_rows(buf, m.q_send_splits, m.q_recv_splits, pg, m.local_only)
+    return _unpack(buf, specs, _rows_of(m, "q_recv_to_task"))
 
 
 def _return_q_rows(m: DispatchMeta, pg, *xs: torch.Tensor) -> list[torch.Tensor]:
@@ -198,17 +222,16 @@ def _return_q_rows(m: DispatchMeta, pg, *xs: torch.Tensor) -> list[torch.Tensor]
     if len(xs) == 1:
         buf = all_to_all_rows(m.take(xs[0], "q_task_to_recv"), m.q_recv_splits, m.q_send_splits, pg, m.local_only)
         return [m.take(buf, "q_send_inv")]
-    specs = [(tuple(x.shape[1:]), x.dtype) for x in xs]
-    buf = all_to_all_rows(_pack(*(m.take(x, "q_task_to_recv") for x in xs)), m.q_recv_splits, m.q_send_splits, pg, m.local_only)
-    return [m.take(y, "q_send_inv") for y in _unpack(buf, specs)]
+    buf, specs = _pack(xs, _rows_of(m, "q_task_to_recv"))
+    buf = all_to_all_rows(buf, m.q_recv_splits, m.q_send_splits, pg, m.local_only)
+    return _unpack(buf, specs, _rows_of(m, "q_send_inv"))
 
 
 def _send_kv(m: DispatchMeta, pg, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Home -> server KV rows, each sent once per server, replicated per task on arrival."""
-    hkv = k.shape[1]
-    kv = m.take(torch.cat([k, v], dim=1), "kv_send_idx")  # [rows, 2 Hkv, D]
-    recv = m.take(all_to_all_rows(kv, m.kv_send_splits, m.kv_recv_splits, pg, m.local_only), "kv_task_idx")
-    return recv[:, :hkv], recv[:, hkv:]  # views: the kernels take strided rows
+    buf, (ks, vs) = _pack((k, v), _rows_of(m, "kv_send_idx"))  # one message
+    recv = m.take(all_to_all_rows(buf, m.kv_send_splits, m.kv_recv_splits, pg, m.local_only), "kv_task_idx")
+    return _typed(recv, ks), _typed(recv, vs)  # views: the kernels take strided rows
 
 
 def _dkv_unique(m: DispatchMeta, dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:

@@ -78,7 +78,8 @@ class DispatchMeta:
 
     def take(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """``x[getattr(self, name)]``, without the copy when that index is the identity."""
-        return x if name in self.identity else x[getattr(self, name)]
+        # index_select, not x[idx]: on CPU the advanced-indexing kernel is 3-7x slower for row gathers.
+        return x if name in self.identity else torch.index_select(x, 0, getattr(self, name))
 
     @property
     def num_tasks(self) -> int:

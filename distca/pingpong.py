@@ -48,6 +48,8 @@ from distca.api import (
     _meta_on,
     _pack,
     _resolve_handle,
+    _rows_of,
+    _typed,
     _unpack,
     _verify,
 )
@@ -104,31 +106,37 @@ class Flight:
 
     # ---- transport: row-aligned parts, packed into one message; nothing moves for local plans ----
 
-    def _send_rows(self, parts: tuple[torch.Tensor, ...], send: tuple[int, ...], recv: tuple[int, ...]) -> dict:
+    def _take(self, x: torch.Tensor, rows: str | None) -> torch.Tensor:
+        return x if rows is None else self.meta.take(x, rows)
+
+    def _send_rows(self, parts: tuple[torch.Tensor, ...], rows: str | None, send: tuple[int, ...], recv: tuple[int, ...]) -> dict:
+        """Start sending rows ``rows`` (an index of the metadata; None: all) of row-aligned ``parts``."""
         m = self.meta
         if m.local_only:  # every row stays here: no packing, no copies
-            return {"parts": list(parts), "work": None}
+            return {"parts": [self._take(p, rows) for p in parts], "work": None}
         if len(parts) == 1:
-            buf, w = start_all_to_all_rows(parts[0], send, recv, self.group)
+            buf, w = start_all_to_all_rows(self._take(parts[0], rows), send, recv, self.group)
             return {"buf": buf, "work": w}
-        specs = [(tuple(p.shape[1:]), p.dtype) for p in parts]
-        buf, w = start_all_to_all_rows(_pack(*parts), send, recv, self.group)
+        buf, specs = _pack(parts, None if rows is None else _rows_of(m, rows))
+        buf, w = start_all_to_all_rows(buf, send, recv, self.group)
         return {"buf": buf, "specs": specs, "work": w}
 
-    @staticmethod
-    def _recv_rows(msg: dict) -> list[torch.Tensor]:
+    def _recv_rows(self, msg: dict, rows: str | None) -> list[torch.Tensor]:
+        """Wait for a message; its parts' rows ``rows`` (an index of the metadata; None: all)."""
         _wait([msg["work"]])
         if "parts" in msg:
-            return msg["parts"]
-        return _unpack(msg["buf"], msg["specs"]) if "specs" in msg else [msg["buf"]]
+            return [self._take(p, rows) for p in msg["parts"]]
+        if "specs" in msg:
+            return _unpack(msg["buf"], msg["specs"], None if rows is None else _rows_of(self.meta, rows))
+        return [self._take(msg["buf"], rows)]
 
     def _send_kv(self, k: torch.Tensor, v: torch.Tensor) -> dict:
         m = self.meta
         if m.local_only:
             return {"parts": [m.take(k, "kv_send_idx"), m.take(v, "kv_send_idx")], "work": None}
-        kv = m.take(torch.cat([k, v], dim=1), "kv_send_idx")  # one message, [rows, 2 Hkv, D]
-        buf, w = start_all_to_all_rows(kv, m.kv_send_splits, m.kv_recv_splits, self.group)
-        return {"buf": buf, "work": w}
+        buf, specs = _pack((k, v), _rows_of(m, "kv_send_idx"))  # one message
+        buf, w = start_all_to_all_rows(buf, m.kv_send_splits, m.kv_recv_splits, self.group)
+        return {"buf": buf, "specs": specs, "work": w}
 
     def _recv_kv(self, msg: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Kernel KV rows [Nk, Hkv, D] (a received row repeats for each task that needs it)."""
@@ -138,21 +146,20 @@ class Flight:
             k, v = msg["parts"]
             return m.take(k, "kv_task_idx"), m.take(v, "kv_task_idx")
         kv = m.take(msg["buf"], "kv_task_idx")
-        return kv[:, : self.kv_heads], kv[:, self.kv_heads :]  # views: the kernels take strided rows
+        return _typed(kv, msg["specs"][0]), _typed(kv, msg["specs"][1])  # views: the kernels take strided rows
 
     # ---- forward phases ----------------------------------------------------------------------
 
     def _dispatch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         m = self.meta
         self.fwd = {
-            "q": self._send_rows((m.take(q, "q_send_idx"),), m.q_send_splits, m.q_recv_splits),
+            "q": self._send_rows((q,), "q_send_idx", m.q_send_splits, m.q_recv_splits),
             "kv": self._send_kv(k, v),
         }
 
     def _serve(self) -> None:
         m, f = self.meta, self.fwd
-        (qs,) = self._recv_rows(f["q"])
-        qs = m.take(qs, "q_recv_to_task")
+        (qs,) = self._recv_rows(f["q"], "q_recv_to_task")
         ks, vs = self._recv_kv(f["kv"])
         o, l = kernels.varlen_attn_forward(
             qs, ks, vs, m.cu_seqlens_q, m.cu_seqlens_k, m.max_seqlen_q, m.max_seqlen_k,
@@ -160,12 +167,11 @@ class Flight:
         )  # fmt: skip
         if self.mode == "keep":
             self.stash = (qs, ks, vs, o, l)
-        parts = (m.take(o, "q_task_to_recv"), m.take(l.t(), "q_task_to_recv"))
-        self.fwd = {"ret": self._send_rows(parts, m.q_recv_splits, m.q_send_splits)}
+        self.fwd = {"ret": self._send_rows((o, l.t()), "q_task_to_recv", m.q_recv_splits, m.q_send_splits)}
 
     def _land(self) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.meta
-        o, lt = (m.take(y, "q_send_inv") for y in self._recv_rows(self.fwd["ret"]))
+        o, lt = self._recv_rows(self.fwd["ret"], "q_send_inv")
         self.fwd = {}
         return o.contiguous(), lt.t().contiguous()
 
@@ -173,19 +179,16 @@ class Flight:
 
     def _dispatch_bwd(self, dout, q, k, v, out, lse) -> None:
         m = self.meta
-        if self.mode == "keep":
-            parts = (m.take(dout, "q_send_idx"),)
-        else:
-            # Stateless servers: home re-sends what the backward needs (q, out, dout, lse; K and V).
-            parts = tuple(m.take(x, "q_send_idx") for x in (q, out, dout, lse.t()))
+        # Stateless servers: home re-sends what the backward needs (q, out, dout, lse; K and V).
+        parts = (dout,) if self.mode == "keep" else (q, out, dout, lse.t())
         self.bwd = {
-            "q": self._send_rows(parts, m.q_send_splits, m.q_recv_splits),
+            "q": self._send_rows(parts, "q_send_idx", m.q_send_splits, m.q_recv_splits),
             "kv": None if self.mode == "keep" else self._send_kv(k, v),
         }
 
     def _serve_bwd(self) -> None:
         m, b = self.meta, self.bwd
-        rows = [m.take(y, "q_recv_to_task") for y in self._recv_rows(b["q"])]
+        rows = self._recv_rows(b["q"], "q_recv_to_task")
         if self.mode == "keep":
             qs, ks, vs, o, l = self.stash
             self.stash = ()
@@ -198,18 +201,17 @@ class Flight:
             do.contiguous(), qs, ks, vs, o.contiguous(), l, m.cu_seqlens_q, m.cu_seqlens_k,
             m.max_seqlen_q, m.max_seqlen_k, self.softmax_scale, True, self.backend,
         )  # fmt: skip
-        dq = self._send_rows((m.take(dqs, "q_task_to_recv"),), m.q_recv_splits, m.q_send_splits)
+        dq = self._send_rows((dqs,), "q_task_to_recv", m.q_recv_splits, m.q_send_splits)
         if m.local_only and {"kv_task_idx", "kv_send_idx"} <= m.identity:
             dkv = {"parts": [dks, dvs], "work": None}  # every KV row used once, in place: no sums
         else:
-            dkv = self._send_rows((_dkv_unique(m, dks, dvs),), m.kv_recv_splits, m.kv_send_splits)
+            dkv = self._send_rows((_dkv_unique(m, dks, dvs),), None, m.kv_recv_splits, m.kv_send_splits)
         self.bwd = {"dq": dq, "dkv": dkv}
 
     def _land_bwd(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         m, b = self.meta, self.bwd
-        (dq,) = self._recv_rows(b["dq"])
-        dq = m.take(dq, "q_send_inv")
-        back = self._recv_rows(b["dkv"])
+        (dq,) = self._recv_rows(b["dq"], "q_send_inv")
+        back = self._recv_rows(b["dkv"], None)
         if len(back) == 2:
             dk, dv = back
         else:
