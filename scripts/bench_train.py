@@ -354,6 +354,13 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
             "modelled_loads_colocated": np.mean([r["loads_colocated"] for r in rs if r["rank"] == 0], axis=0).tolist(),
             "fwd_MiB_per_layer": statistics.median(r["fwd_bytes_per_layer"] for r in rs) / _MiB,
         }
+    # What a perfect balancer with zero overhead could reach on each batch: off's step with
+    # its slowest rank's attention replaced by the mean over ranks.
+    bound = []
+    if "off" in configs:
+        for b in batches:
+            attn = [r["attn_fwd_s"] + r["attn_bwd_s"] for r in by[("off", b)]]
+            bound.append(step_s("off", b) / (step_s("off", b) - max(attn) + statistics.mean(attn)))
     headline = next((c for c in (HEADLINE, "distca") if c in per), configs[-1])
     keep = next((c for c in ("distca_pingpong_keep", "distca_keep") if c in per), None)
     head = per[headline].get("speedup_vs_off") or [float("nan")] * 3
@@ -368,6 +375,8 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
         "speedup_median": head[1],
         "speedup_min": head[0],
         "speedup_max": head[2],
+        # min / median / max over batches of the zero-overhead bound (see above)
+        "speedup_bound": [min(bound), statistics.median(bound), max(bound)] if bound else None,
         "repeats": len(batches),
         "imbalance_before": max(loads0) / statistics.mean(loads0),
         "imbalance_after": max(loads1) / statistics.mean(loads1),
@@ -485,6 +494,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 print(f"\n{model} / {workload}: T={T} x {args.ranks} ranks, {s['repeats']} repeats, {s['wall_s']} s; "
                       f"modelled CA imbalance {s['imbalance_before']:.2f} -> {s['imbalance_after']:.2f}; "
+                      f"zero-overhead bound {'/'.join(f'{x:.2f}' for x in s['speedup_bound'] or [])}; "
                       f"step peak memory max/mean: resend {s['mem_ratio_resend'] or float('nan'):.3f}, "
                       f"keep {s['mem_ratio_keep'] or float('nan'):.3f}")  # fmt: skip
                 print(f"  {'config':22} {'tok/s':>8} {'speedup (min/med/max)':>24} {'attn s/rank':>18} "

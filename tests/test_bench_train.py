@@ -54,6 +54,20 @@ def test_summarize_speedup_is_off_over_cad_on_the_same_batches():
     assert s["mem_ratio_resend"] == pytest.approx(60 / 55)  # step peaks 50 and 60 MiB above the base
 
 
+def test_summarize_bound_and_profiled_cycle():
+    configs = ["off", "distca_pingpong"]
+    rows = _rows(configs, {"off": 3.0, "distca_pingpong": 2.0})
+    for r in rows:
+        if r["config"] == "off":  # rank 0 attends 2.0 s, rank 1 0.4 s
+            r["attn_fwd_s"], r["attn_bwd_s"] = 0.0, 2.0 if r["rank"] == 0 else 0.4
+    # A profiled cycle (slow, under torch.profiler) is not a timed repeat.
+    rows += [{**r, "batch": 4, "seconds": 100.0, "profiled": True} for r in rows if r["batch"] == 3]
+    s = bt.summarize(rows, "debug", "skewed", 1024, 2, configs)
+    assert s["repeats"] == 2 and s["speedup_median"] == pytest.approx(1.5)
+    # off's slowest step 3.3 s with its max attention (2.0 s) replaced by the mean (1.2 s)
+    assert s["speedup_bound"] == pytest.approx([3.3 / 2.5] * 3)
+
+
 @pytest.mark.slow
 def test_json_contract_end_to_end(tmp_path):
     """One real (tiny) launch: torchtitan trainer, 2 gloo processes, configs cycled per step."""
