@@ -134,3 +134,35 @@ def test_bad_rank():
     p = plan(Layout.from_doclens([8], 2, 4), "colocated")
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\) for a plan of 2 ranks, got 2"):
         build_dispatch(p, 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(0, 9),
+    parts=st.lists(
+        st.tuples(st.sampled_from([torch.float32, torch.bfloat16, torch.float64, torch.int64]), st.integers(1, 5), st.booleans()),
+        min_size=1,
+        max_size=4,
+    ),
+    gather=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_pack_unpack_round_trip(n, parts, gather, seed):
+    # Mixed dtypes and odd widths (a 3-element bf16 row is 6 bytes) packed into one uint8
+    # message, with or without a row gather on each side; strided parts (lse.t()) included.
+    from distca.api import _pack, _unpack
+
+    g = torch.Generator().manual_seed(seed)
+    xs = []
+    for dtype, w, strided in parts:
+        x = torch.randint(-100, 100, (w, n) if strided else (n, w), generator=g).to(dtype)
+        xs.append(x.t() if strided else x)
+    rows = torch.randperm(n, generator=g)[: max(n - 2, 0)] if gather else None
+    buf, specs = _pack(tuple(xs), rows)
+    assert buf.dtype == torch.uint8 and buf.is_contiguous()
+    back = torch.randperm(buf.shape[0], generator=g) if gather else None
+    got = _unpack(buf, specs, back)
+    for x, y in zip(xs, got):
+        want = x if rows is None else x[rows]
+        want = want if back is None else want[back]
+        assert y.dtype == x.dtype and y.is_contiguous() and torch.equal(y, want)
