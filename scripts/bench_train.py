@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -254,6 +255,7 @@ def _worker(args: argparse.Namespace) -> None:
             kt["fwd"] = kt["bwd"] = 0.0
             profiled = bool(args.profile) and self.step > total_steps - len(configs)
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profiled else None
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             if prof is None:
                 super().train_step(data_iterator)
@@ -261,13 +263,14 @@ def _worker(args: argparse.Namespace) -> None:
                 with prof:
                     super().train_step(data_iterator)
             dt = time.perf_counter() - t0
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             if prof is not None:  # an extra last cycle: the profiler's overhead stays out of the timings
                 table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
                 (Path(args.out) / f"profile_{self._bench['config']}_rank{rank_env}.txt").write_text(table)
             rows.append(
                 {
                     **self._bench, "step": self.step, "batch": (self.step - 1) // len(configs), "rank": rank_env,
-                    "profiled": profiled, "seconds": dt, "attn_fwd_s": kt["fwd"], "attn_bwd_s": kt["bwd"],
+                    "profiled": profiled, "seconds": dt, "minor_faults": faults, "attn_fwd_s": kt["fwd"], "attn_bwd_s": kt["bwd"],
                     "exposed_comm_s": self.run_stats.rows[-1].get("ca/exposed_comm_s", 0.0), "rss_base_MiB": base, "rss_peak_MiB": rss("VmHWM"),
                 }
             )  # fmt: skip
