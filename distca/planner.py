@@ -419,6 +419,10 @@ class _Balancer:
         self.top_pieces: list[list[int]] = [[] for _ in range(self.R)]
         for r, i in zip(s.rank[top].tolist(), top.tolist()):
             self.top_pieces[r].append(i)
+        self.rest_pieces: list[list[int]] = [[] for _ in range(self.R)]  # the others, heaviest first
+        rest = order[within >= 8]
+        for r, i in zip(s.rank[rest].tolist(), rest.tolist()):
+            self.rest_pieces[r].append(i)
         self.cap = capacity
         if capacity is not None:
             # Colocated inputs: KV prefix rows and Q rows of each piece not held by its server.
@@ -476,17 +480,25 @@ class _Balancer:
             e = v
         return x, e
 
-    def best_chunk(self, pieces: list[int], w: float) -> tuple[int, int, int, int, float] | None:
-        """Cheapest chunk worth about ``w`` seconds in ``pieces``: (piece, interval, x, e, seconds)."""
+    def best_chunk(
+        self, pieces: list[int], w: float, limit: float = math.inf
+    ) -> tuple[int, int, int, int, float] | None:
+        """Cheapest chunk worth about ``w`` seconds in ``pieces``: (piece, interval, x, e, seconds).
+
+        Candidates go in order of bytes per unit of work; the first whose chunk, once
+        snapped to ``min_shard``, costs at most ``limit`` seconds wins (else the cheapest):
+        a min-shard chunk of a deep document may carry more than a receiver can take,
+        where a whole short document would fit.
+        """
         task_s = self.coef[0]
         w_pairs0 = max((w - task_s) / (self.coef[3] + self.coef[5]), 1.0)
         qb, kvb = self.qb, self.kvb
-        best = None
+        cands = []
         e_star = math.sqrt(qb * w_pairs0 / kvb)
         two_w = 2.0 * w_pairs0
         sqrt = math.sqrt
         for i in pieces:
-            if self.piece_t[i] < 0.25 * w and best is not None:
+            if self.piece_t[i] < 0.25 * w and cands:
                 continue  # a small piece: moving all of it has poor work per byte
             for k, (u, v) in enumerate(self.intervals(i)):
                 # The score of cut()'s chunk, inlined without min-shard snapping:
@@ -500,15 +512,26 @@ class _Balancer:
                     e = min(max(e_star, e_min), v)
                     x = (sqrt(max(1.0 + 4.0 * (e * (e + 1) - two_w), 1.0)) - 1.0) * 0.5
                     score = (qb * (e - x) + kvb * e) / w_pairs0
-                if best is None or score < best[0]:
-                    best = (score, i, k, u, v, x, e)
-        if best is None:
+                cands.append((score, len(cands), i, k, u, v, x, e))
+        if not cands:
             return None
-        _, i, k, u, v, x, e = best
+        _, _, i, k, u, v, x, e = min(cands)
+        first = self._sized(i, k, u, v, x, e, w)
+        if first[4] <= limit:
+            return first
+        cands.sort()
+        for _, _, i, k, u, v, x, e in cands[1:]:
+            got = self._sized(i, k, u, v, x, e, w)
+            if got[4] <= limit:
+                return got
+        return first
+
+    def _sized(self, i: int, k: int, u: int, v: int, x: float, e: float, w: float) -> tuple[int, int, int, int, float]:
+        """The chunk of interval ``k`` of piece ``i`` near [x, e), sized to about ``w`` seconds."""
         # The time model is not linear in pairs: start from the chunk's overheads
         # (per task, per Q row, per KV row, short-shard efficiency), then refine
         # from below, so a receiver is never filled past its room by the error.
-        _, q_s, kv_s, pair_s, half_q, rect_s = self.coef
+        task_s, q_s, kv_s, pair_s, half_q, rect_s = self.coef
         overhead = task_s + q_s * (e - x) + kv_s * e + pair_s * half_q * (e + x) * 0.5
         # A rectangle cost scales the per-pair rate by about 2e / (e + x).
         rate = pair_s + rect_s * 2.0 * e / max(e + x, 1.0)
@@ -586,7 +609,15 @@ class _Balancer:
                     if j2 in active and fill_to - load[j2] > 0.25 * min(need, fill_to - load[j]):
                         j = j2
                         break
-                best = self.best_chunk(pieces, min(need, fill_to - load[j]))
+                # Prefer a chunk the receiver can take without passing the bound.
+                limit = hi_bound - load[j]
+                best = self.best_chunk(pieces, min(need, fill_to - load[j]), limit)
+                if (best is None or best[4] > limit) and self.rest_pieces[d]:
+                    # Even the smallest allowed chunk of the heaviest pieces is too much:
+                    # a lighter piece (a whole short document) may fit.
+                    alt = self.best_chunk(self.rest_pieces[d], min(need, fill_to - load[j]), limit)
+                    if alt is not None and alt[4] <= limit:
+                        best = alt
                 if best is None:
                     break
                 i, k, x, e, t = best

@@ -59,8 +59,9 @@ one TP group; attention heads are split over TP, so each GPU serves 1/TP of a se
 ships 1/TP of its bytes (each TP rank ships only its own heads)."""
 
 COST_MODEL = "h200"
-"""Stored attention cost model (``distca/data/cost_h200.json``): an estimate of FlashAttention-3
-class kernels at 450 TFLOP/s effective, not a measurement. Backward = ``bwd_factor`` x forward."""
+"""Stored attention cost model (``distca/data/cost_h200.json``): fitted by ``scripts/calibrate.py``
+to forward + backward kernel times measured on one H200 (``docs/gpu.md``). Backward =
+``bwd_factor`` x forward."""
 
 TP_COLLECTIVES_PER_LAYER = 4
 """Megatron sequence-parallel TP collectives per layer and direction: all-gather before QKV and
