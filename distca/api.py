@@ -164,9 +164,9 @@ _Spec = tuple[tuple[int, ...], torch.dtype, int]
 """A packed part: (row shape, dtype, byte offset in the row)."""
 
 
-def _rows_of(m: DispatchMeta, name: str) -> torch.Tensor | None:
-    """The index ``name`` of ``m``, or None where it is the identity (no gather needed)."""
-    return None if name in m.identity else getattr(m, name)
+def _rows_of(m: DispatchMeta, name: str | None) -> torch.Tensor | None:
+    """The index ``name`` of ``m``, or None where there is none or it is the identity (no gather)."""
+    return None if name is None or name in m.identity else getattr(m, name)
 
 
 def _typed(buf: torch.Tensor, spec: _Spec) -> torch.Tensor:

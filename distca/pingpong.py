@@ -93,7 +93,6 @@ class Flight:
     softmax_scale: float
     mode: str
     backend: str
-    kv_heads: int
     dtype: torch.dtype
     phase: str = "started"
     token: torch.Tensor | None = None
@@ -117,7 +116,7 @@ class Flight:
         if len(parts) == 1:
             buf, w = start_all_to_all_rows(self._take(parts[0], rows), send, recv, self.group)
             return {"buf": buf, "work": w}
-        buf, specs = _pack(parts, None if rows is None else _rows_of(m, rows))
+        buf, specs = _pack(parts, _rows_of(m, rows))
         buf, w = start_all_to_all_rows(buf, send, recv, self.group)
         return {"buf": buf, "specs": specs, "work": w}
 
@@ -127,7 +126,7 @@ class Flight:
         if "parts" in msg:
             return [self._take(p, rows) for p in msg["parts"]]
         if "specs" in msg:
-            return _unpack(msg["buf"], msg["specs"], None if rows is None else _rows_of(self.meta, rows))
+            return _unpack(msg["buf"], msg["specs"], _rows_of(self.meta, rows))
         return [self._take(msg["buf"], rows)]
 
     def _send_kv(self, k: torch.Tensor, v: torch.Tensor) -> dict:
@@ -296,7 +295,6 @@ def start(
         softmax_scale=q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale,
         mode=mode,
         backend=kernels.select_backend(q.device, backend),
-        kv_heads=k.shape[1],
         dtype=k.dtype,
     )
     flight.token = _Start.apply(flight, q, k, v)
