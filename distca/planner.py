@@ -412,17 +412,11 @@ class _Balancer:
         # four: when a deep piece's smallest chunk overshoots the band, a lighter
         # piece must still be there to give.
         order = np.lexsort((np.arange(s.rank.size), -seg_time, s.rank))
-        rank_sorted = s.rank[order]
-        first = np.searchsorted(rank_sorted, np.arange(self.R))
-        within = np.arange(order.size) - first[rank_sorted]
-        top = order[within < 8]
-        self.top_pieces: list[list[int]] = [[] for _ in range(self.R)]
-        for r, i in zip(s.rank[top].tolist(), top.tolist()):
-            self.top_pieces[r].append(i)
-        self.rest_pieces: list[list[int]] = [[] for _ in range(self.R)]  # the others, heaviest first
-        rest = order[within >= 8]
-        for r, i in zip(s.rank[rest].tolist(), rest.tolist()):
-            self.rest_pieces[r].append(i)
+        ranked: list[list[int]] = [[] for _ in range(self.R)]  # each rank's pieces, heaviest first
+        for r, i in zip(s.rank[order].tolist(), order.tolist()):
+            ranked[r].append(i)
+        self.top_pieces = [p[:8] for p in ranked]
+        self.rest_pieces = [p[8:] for p in ranked]
         self.cap = capacity
         if capacity is not None:
             # Colocated inputs: KV prefix rows and Q rows of each piece not held by its server.
@@ -556,6 +550,13 @@ class _Balancer:
             kv_rows = (e - have) - (own_e - own_have)
         return (e - x - own_q) * self.q_row + kv_rows * self.kvb
 
+    def grow_bytes(self, j: int, d: int, x: int, e: int, cx: int, ce: int) -> float:
+        """Extra forward input bytes server j receives when its chunk [x, e) of document d
+        becomes [cx, ce) (one end moved outward; 0 when the chunk shrinks)."""
+        if ce > e:
+            return self.in_bytes(j, d, e, ce)
+        return self.in_bytes(j, d, cx, x) if cx < x else 0.0
+
     def shed(
         self, donors: list[int], receivers: list[int], mean: float, hi_bound: float, fill: float, floor: float | None = None
     ) -> None:
@@ -610,12 +611,12 @@ class _Balancer:
                         j = j2
                         break
                 # Prefer a chunk the receiver can take without passing the bound.
-                limit = hi_bound - load[j]
-                best = self.best_chunk(pieces, min(need, fill_to - load[j]), limit)
+                w, limit = min(need, fill_to - load[j]), hi_bound - load[j]
+                best = self.best_chunk(pieces, w, limit)
                 if (best is None or best[4] > limit) and self.rest_pieces[d]:
                     # Even the smallest allowed chunk of the heaviest pieces is too much:
                     # a lighter piece (a whole short document) may fit.
-                    alt = self.best_chunk(self.rest_pieces[d], min(need, fill_to - load[j]), limit)
+                    alt = self.best_chunk(self.rest_pieces[d], w, limit)
                     if alt is not None and alt[4] <= limit:
                         best = alt
                 if best is None:
@@ -705,10 +706,8 @@ class _Balancer:
                     (ku, kv), (cx, ce) = pair(b)
                     if not (lo <= b <= hi) or 0 < kv - ku < ms or ce - cx < min(ms, e - x):
                         continue
-                    if self.cap is not None:
-                        more = self.in_bytes(j, doc, e, ce) if ce > e else self.in_bytes(j, doc, cx, x) if cx < x else 0.0
-                        if self.recv[j] + more > self.cap:
-                            continue
+                    if self.cap is not None and self.recv[j] + self.grow_bytes(j, doc, x, e, cx, ce) > self.cap:
+                        continue
                     m_ = max(loads(b))
                     if m_ < now * (1.0 - 1e-9) and (best is None or m_ < best[0]):
                         best = (m_, n, (ku, kv), (cx, ce))
@@ -723,7 +722,7 @@ class _Balancer:
             self.piece_t[i] = after
             load[j] += self.t(cx, ce) - t_chunk
             if self.cap is not None:
-                self.recv[j] += self.in_bytes(j, doc, e, ce) if ce > e else self.in_bytes(j, doc, cx, x) if cx < x else 0.0
+                self.recv[j] += self.grow_bytes(j, doc, x, e, cx, ce)
                 self.kv_have[(j, doc)] = max(self.kv_have.get((j, doc), 0), ce)
             self.moved[k] = (doc, cx, ce, j)
 

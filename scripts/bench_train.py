@@ -39,6 +39,7 @@ next ``--repeats`` cycles is one timed repeat (configurations rotated per cycle)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -257,11 +258,8 @@ def _worker(args: argparse.Namespace) -> None:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profiled else None
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
-            if prof is None:
+            with prof if prof is not None else contextlib.nullcontext():
                 super().train_step(data_iterator)
-            else:
-                with prof:
-                    super().train_step(data_iterator)
             dt = time.perf_counter() - t0
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             if prof is not None:  # an extra last cycle: the profiler's overhead stays out of the timings
