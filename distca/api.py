@@ -8,21 +8,20 @@ Plan once per step, run every layer with it::
     dp = distca.prepare(cu_seqlens, group=mesh)           # every rank, once per step
     out = distca.core_attention(q, k, v, cu_seqlens, group=mesh, plan=dp)
 
-The op is two ``torch.library`` custom ops (forward and backward), each of
-which *mutates* an argument (the forward a 1-element stash id, while returning
-``out`` and ``lse`` so that selective activation checkpointing can save them;
-the backward its preallocated gradients): collectives never sit inside a
-functional op (Inductor may drop a functional op whose result is empty), and every shape in
-the graph is [T, ...], so a compiled model does not recompile when the
-document layout changes. The plan reaches the op as a 1-element int64 tensor
-(``DispatchPlan.handle``) that names an entry in this module's registry.
+The op is two ``torch.library`` custom ops (forward and backward) around one
+:class:`distca.exchange.Flight` each. Both return fresh tensors (``out`` and ``lse``, so
+that selective activation checkpointing can save them; ``dq``, ``dk``, ``dv``) and
+*mutate* a 1-element argument: collectives never sit inside a functional op (Inductor
+may drop or reorder a functional op). Every shape in the graph is [T, ...], so a
+compiled model does not recompile when the document layout changes. The plan reaches
+the op as a 1-element int64 tensor (``DispatchPlan.handle``), resolved to the caller's
+live :class:`DispatchPlan` through a weak lookup: the caller owns the plan.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
-from collections import OrderedDict
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from distca import kernels
-from distca.dispatch import DispatchMeta, all_to_all_rows, build_dispatch
+from distca.dispatch import DispatchMeta, build_dispatch
+from distca.exchange import ExchangeStats, Flight
 from distca.cost import Mode
 from distca.layout import Layout
 from distca.mesh import agree, fingerprint, resolve_group
@@ -39,37 +39,46 @@ from distca.planner import Plan, Policy, plan as make_plan
 
 __all__ = ["DispatchPlan", "prepare", "core_attention", "CoreAttention"]
 
-_MAX_PLANS = 32
-"""Registered plans kept alive (FIFO). Every rank registers the same sequence of
-plans, so evictions happen at the same point on every rank."""
-
-
-@dataclass(eq=False)
-class _Entry:
-    plan: Plan
-    meta: DispatchMeta
-    group: dist.ProcessGroup
-    verified: set = field(default_factory=set)
-    device_meta: dict = field(default_factory=dict)
-    stash: dict = field(default_factory=dict)  # keep mode: server tensors between fwd and bwd
-
-
-_REGISTRY: "OrderedDict[int, _Entry]" = OrderedDict()
-_IDS = itertools.count(1)
-_STASH_IDS = itertools.count(1)
-
 
 @dataclass(frozen=True, eq=False)
 class DispatchPlan:
-    """A plan prepared for this rank of a CA group; pass it (or its ``handle``) to every layer.
+    """A plan prepared for this rank of a CA group; pass it to every layer of its step.
 
-    Inside a ``torch.compile``d model pass ``handle`` (a tensor) rather than the
-    object, so a new plan each step does not trigger a recompile.
+    The caller owns it: the op resolves ``handle`` to this object only while it is alive
+    (a weak lookup), and everything it holds (device metadata, ``keep``-mode server
+    tensors of a forward whose backward never ran) is freed with it. Drop it when its
+    step is done; a handle of a freed plan raises. Inside ``torch.compile`` pass the
+    object or its ``handle`` (a tensor): a new plan each step does not recompile.
     """
 
     plan: Plan
+    meta: DispatchMeta
+    """This rank's dispatch metadata (host)."""
+    group: dist.ProcessGroup
     handle: torch.Tensor
-    """int64 [1]: the registry key the op resolves."""
+    """int64 [1]: the key under which the op finds this plan."""
+    stats: ExchangeStats = field(default_factory=ExchangeStats)
+    """Exchange wait time of every flight of this plan."""
+    _device_meta: dict = field(default_factory=dict)
+    _stash: dict = field(default_factory=dict)  # keep mode: stash id -> server tensors, forward to backward
+    _verified: set = field(default_factory=set)
+
+    def meta_on(self, device: torch.device) -> DispatchMeta:
+        """The metadata on ``device`` (moved once, in one transfer)."""
+        m = self._device_meta.get(device)
+        if m is None:
+            m = self._device_meta[device] = self.meta.to(device)
+        return m
+
+    def flight(self, device: torch.device, softmax_scale: float, mode: str, backend: str) -> Flight:
+        """A new :class:`distca.exchange.Flight` of this plan."""
+        return Flight(self.meta_on(device), self.group, softmax_scale, mode, backend, self.stats)
+
+
+_LIVE: "weakref.WeakValueDictionary[int, DispatchPlan]" = weakref.WeakValueDictionary()
+"""handle -> live DispatchPlan. Custom ops take tensors, not Python objects; the caller owns the plans."""
+_IDS = itertools.count(1)
+_STASH_IDS = itertools.count(1)
 
 
 def prepare(
@@ -79,6 +88,7 @@ def prepare(
     tokens_per_rank: int | None = None,
     context: tuple[tuple[int, int, int], ...] = (),
     policy: Policy = "distca",
+    dispatch: DispatchMeta | None = None,
     **plan_kwargs,
 ) -> DispatchPlan:
     """Plan (if needed) and compile this rank's dispatch metadata. Call on every rank.
@@ -92,18 +102,25 @@ def prepare(
         tokens_per_rank: T; default cu_seqlens[-1] / R.
         context: with cu_seqlens, the documents this nano-batch continues from the previous
             one (:attr:`Layout.context`).
+        dispatch: with a Plan, this rank's ``distca.dispatch.build_dispatch(plan, rank)``
+            made ahead of time (e.g. in a planning thread); default: built here.
 
-    Raises ``ValueError`` on every rank if the layouts differ across ranks.
+    One small all-reduce checks that every rank has the same plan; raises ``ValueError``
+    on every rank if not.
     """
     pg = resolve_group(group)
     R, rank = dist.get_world_size(pg), dist.get_rank(pg)
     err = None
     if context and isinstance(plan_or_cu_seqlens, (Plan, Layout)):
         p, err = None, "context is for cu_seqlens; a Plan or Layout carries its own (Layout.context)"
+    elif dispatch is not None and not isinstance(plan_or_cu_seqlens, Plan):
+        p, err = None, "dispatch is for a Plan (its prebuilt metadata)"
     elif isinstance(plan_or_cu_seqlens, Plan):
         p = plan_or_cu_seqlens
         if p.layout.ranks != R:
             err = f"plan is for {p.layout.ranks} ranks but the CA group has {R}"
+        elif dispatch is not None and (dispatch.rank != rank or dispatch.ranks != R):
+            err = f"dispatch was built for rank {dispatch.rank} of {dispatch.ranks}; this is rank {rank} of {R}"
     elif isinstance(plan_or_cu_seqlens, Layout):
         p = None
         if plan_or_cu_seqlens.ranks != R:
@@ -123,13 +140,12 @@ def prepare(
             p = make_plan(Layout(tuple(cu.tolist()), R, T, tuple(map(tuple, context))), policy, **plan_kwargs)
         except (ValueError, TypeError) as e:
             err, p = str(e), None
-    fields = {"cu_seqlens (plan digest)": int(p.digest()[:15], 16) if p is not None else 0}
-    agree(pg, torch.device("cpu"), err, fields)
+    fields_ = {"cu_seqlens (plan digest)": int(p.digest()[:15], 16) if p is not None else 0}
+    agree(pg, torch.device("cpu"), err, fields_)
     key = next(_IDS)
-    _REGISTRY[key] = _Entry(p, build_dispatch(p, rank), pg)
-    while len(_REGISTRY) > _MAX_PLANS:
-        _REGISTRY.popitem(last=False)
-    return DispatchPlan(p, torch.tensor([key], dtype=torch.int64))
+    dp = DispatchPlan(p, dispatch if dispatch is not None else build_dispatch(p, rank), pg, torch.tensor([key]))
+    _LIVE[key] = dp
+    return dp
 
 
 def _as_numpy(cu: torch.Tensor | np.ndarray | list[int] | tuple[int, ...]) -> np.ndarray:
@@ -139,126 +155,15 @@ def _as_numpy(cu: torch.Tensor | np.ndarray | list[int] | tuple[int, ...]) -> np
     return np.asarray(cu)
 
 
-def _entry(handle: torch.Tensor) -> _Entry:
+def _lookup(handle: torch.Tensor) -> DispatchPlan:
     key = int(handle.reshape(-1)[0])
-    try:
-        return _REGISTRY[key]
-    except KeyError:
+    dp = _LIVE.get(key)
+    if dp is None:
         raise RuntimeError(
-            f"plan handle {key} is no longer registered (only the last {_MAX_PLANS} prepared plans are kept); "
-            "call distca.prepare once per step and use its result in that step"
-        ) from None
-
-
-def _meta_on(entry: _Entry, device: torch.device) -> DispatchMeta:
-    m = entry.device_meta.get(device)
-    if m is None:
-        m = entry.device_meta[device] = entry.meta if device.type == "cpu" else entry.meta.to(device)
-    return m
-
-
-# ---- transport helpers (eager; called only from the mutating ops below) ------------------
-
-
-_Spec = tuple[tuple[int, ...], torch.dtype, int]
-"""A packed part: (row shape, dtype, byte offset in the row)."""
-
-
-def _rows_of(m: DispatchMeta, name: str | None) -> torch.Tensor | None:
-    """The index ``name`` of ``m``, or None where there is none or it is the identity (no gather)."""
-    return None if name is None or name in m.identity else getattr(m, name)
-
-
-def _typed(buf: torch.Tensor, spec: _Spec) -> torch.Tensor:
-    """Columns of a packed [N, W] uint8 buffer as the part [N, *shape] (a strided view)."""
-    shape, dtype, off = spec
-    size = torch.empty((), dtype=dtype).element_size()
-    cols = buf[:, off : off + math.prod(shape) * size]
-    return cols.view(dtype).view(buf.shape[0], *shape)
-
-
-def _pack(parts: tuple[torch.Tensor, ...], rows: torch.Tensor | None) -> tuple[torch.Tensor, list[_Spec]]:
-    """Rows ``rows`` (None: all) of row-aligned parts [N, ...], possibly of different dtypes,
-    gathered straight into one [n, W] uint8 message: one copy per part.
-
-    Parts go widest dtype first and W is padded to that dtype's size, so every part's
-    columns are aligned views of its dtype.
-    """
-    sizes = [p.element_size() for p in parts]
-    specs: list = [None] * len(parts)
-    off = 0
-    for i in sorted(range(len(parts)), key=lambda i: -sizes[i]):
-        specs[i] = (tuple(parts[i].shape[1:]), parts[i].dtype, off)
-        off += math.prod(parts[i].shape[1:]) * sizes[i]
-    width = -(-off // max(sizes)) * max(sizes)
-    n = parts[0].shape[0] if rows is None else rows.numel()
-    buf = torch.empty((n, width), dtype=torch.uint8, device=parts[0].device)
-    for p, spec in zip(parts, specs):
-        dst = _typed(buf, spec)
-        if rows is None:
-            dst.copy_(p)
-        else:
-            torch.index_select(p, 0, rows, out=dst)
-    return buf, specs
-
-
-def _unpack(buf: torch.Tensor, specs: list[_Spec], rows: torch.Tensor | None) -> list[torch.Tensor]:
-    """Rows ``rows`` (None: all) of each part of a packed buffer, each contiguous: one copy per part."""
-    return [_typed(buf, s).contiguous() if rows is None else torch.index_select(_typed(buf, s), 0, rows) for s in specs]
-
-
-def _send_q_rows(m: DispatchMeta, pg, *xs: torch.Tensor) -> list[torch.Tensor]:
-    """Home -> server for Q-indexed rows [T, ...]; returns them in kernel order."""
-    if len(xs) == 1:  # no packing: one copy fewer each way
-        buf = all_to_all_rows(m.take(xs[0], "q_send_idx"), m.q_send_splits, m.q_recv_splits, pg, m.local_only)
-        return [m.take(buf, "q_recv_to_task")]
-    buf, specs = _pack(xs, _rows_of(m, "q_send_idx"))
-    buf = all_to_all_rows(buf, m.q_send_splits, m.q_recv_splits, pg, m.local_only)
-    return _unpack(buf, specs, _rows_of(m, "q_recv_to_task"))
-
-
-def _return_q_rows(m: DispatchMeta, pg, *xs: torch.Tensor) -> list[torch.Tensor]:
-    """Server -> home for kernel-order rows [Nq, ...]; returns them in local order [T, ...]."""
-    if len(xs) == 1:
-        buf = all_to_all_rows(m.take(xs[0], "q_task_to_recv"), m.q_recv_splits, m.q_send_splits, pg, m.local_only)
-        return [m.take(buf, "q_send_inv")]
-    buf, specs = _pack(xs, _rows_of(m, "q_task_to_recv"))
-    buf = all_to_all_rows(buf, m.q_recv_splits, m.q_send_splits, pg, m.local_only)
-    return _unpack(buf, specs, _rows_of(m, "q_send_inv"))
-
-
-def _send_kv(m: DispatchMeta, pg, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Home -> server KV rows, each sent once per server, replicated per task on arrival."""
-    buf, (ks, vs) = _pack((k, v), _rows_of(m, "kv_send_idx"))  # one message
-    recv = m.take(all_to_all_rows(buf, m.kv_send_splits, m.kv_recv_splits, pg, m.local_only), "kv_task_idx")
-    return _typed(recv, ks), _typed(recv, vs)  # views: the kernels take strided rows
-
-
-def _dkv_unique(m: DispatchMeta, dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
-    """Server side: kernel dK/dV rows [Nk, Hkv, D] summed (fp32) over replicas into received rows [Nkv, 2 Hkv, D]."""
-    dkv = torch.cat([dk, dv], dim=1).float()  # fp32 sums
-    if "kv_task_idx" in m.identity:  # every received row used by exactly one task
-        return dkv.to(dk.dtype)
-    n_recv = sum(m.kv_recv_splits)
-    return dkv.new_zeros((n_recv, *dkv.shape[1:])).index_add_(0, m.kv_task_idx, dkv).to(dk.dtype)
-
-
-def _dkv_home(m: DispatchMeta, back: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Home side: returned dK/dV rows summed (fp32) over servers into local rows; two fp32
-    [m.kv_rows, Hkv, D]."""
-    T = m.kv_rows
-    hkv = back.shape[1] // 2
-    if "kv_send_idx" in m.identity and back.shape[0] == T:  # each local row sent once, in order
-        home = back.float()
-    else:
-        home = back.new_zeros((T, *back.shape[1:]), dtype=torch.float32).index_add_(0, m.kv_send_idx, back.float())
-    return home[:, :hkv], home[:, hkv:]
-
-
-def _return_dkv(m: DispatchMeta, pg, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Server -> home dK/dV: summed over a row's replicas on the server, then over servers at home."""
-    back = all_to_all_rows(_dkv_unique(m, dk, dv), m.kv_recv_splits, m.kv_send_splits, pg, m.local_only)
-    return _dkv_home(m, back)
+            f"plan handle {key} names no live DispatchPlan: the plan was freed (its last reference dropped) "
+            "before this layer ran; keep the DispatchPlan from distca.prepare alive for its whole step"
+        )
+    return dp
 
 
 # ---- the ops --------------------------------------------------------------------------------
@@ -268,8 +173,7 @@ def _owned_dense(x: torch.Tensor) -> torch.Tensor:
     """``x`` if it is the whole of its own storage with row-major strides, else a row-major copy.
 
     A custom op's outputs must be fresh (no aliasing of inputs or of each other) and have the
-    strides its fake reports; ``.contiguous()`` alone may return a view (size-1 dims) or a
-    slice of a packed exchange buffer shared with the other output.
+    strides its fake reports; ``.contiguous()`` alone may return a view (size-1 dims).
     """
     rowmajor = x.stride() == torch.empty(x.shape, device="meta").stride()
     whole = x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
@@ -280,12 +184,13 @@ def _owned_dense(x: torch.Tensor) -> torch.Tensor:
 def _core_attention_fwd(
     stash_id: torch.Tensor,  # int64 [1] (written in keep mode)
     q: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
+    k: torch.Tensor,  # [kv_rows, Hkv, D]
+    v: torch.Tensor,  # [kv_rows, Hkv, D]
     handle: torch.Tensor,
     softmax_scale: float,
     ca_mode: str,
     kernel_backend: str,
+    for_backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns fresh ``out`` [T, Hq, D] (q's dtype) and ``lse`` [Hq, T] fp32, both row-major.
 
@@ -293,36 +198,30 @@ def _core_attention_fwd(
     activation checkpointing can save them and skip the op, all-to-alls included, in the
     recompute. ``stash_id`` stays a mutated argument because the op runs collectives: a
     mutating op is never dropped or reordered by Inductor, a functional one may be.
+    ``for_backward`` (keep mode): stash the server tensors for a backward; False under
+    ``no_grad``, where nothing is kept.
     """
-    entry = _entry(handle)
-    m, pg = _meta_on(entry, q.device), entry.group
-    qs = _send_q_rows(m, pg, q)[0]
-    ks, vs = _send_kv(m, pg, k, v)
-    o, l = kernels.varlen_attn_forward(
-        qs, ks, vs, m.cu_seqlens_q, m.cu_seqlens_k, m.max_seqlen_q, m.max_seqlen_k, softmax_scale, True, kernel_backend
-    )
-    o_home, l_home = _return_q_rows(m, pg, o, l.t())  # [T, Hq, D], [T, Hq]
-    out, lse = _owned_dense(o_home), _owned_dense(l_home.t())
-    if ca_mode == "keep":
+    dp = _lookup(handle)
+    f = dp.flight(q.device, softmax_scale, ca_mode, kernel_backend)
+    f.dispatch(q, k, v)
+    f.serve()
+    out, lse = f.land()
+    if ca_mode == "keep" and for_backward:
         sid = next(_STASH_IDS)
-        entry.stash[sid] = (qs, ks, vs, o, l)
+        dp._stash[sid] = f.stash
         stash_id.fill_(sid)
-        if out is o:  # the stash keeps o: hand out a copy (not today: O and LSE travel packed)
-            out = o.clone()
-    return out, lse
+    return _owned_dense(out), _owned_dense(lse)
 
 
 @_core_attention_fwd.register_fake
-def _(stash_id, q, k, v, handle, softmax_scale, ca_mode, kernel_backend) -> tuple[torch.Tensor, torch.Tensor]:
+def _(stash_id, q, k, v, handle, softmax_scale, ca_mode, kernel_backend, for_backward):
     T, hq, d = q.shape
     return q.new_empty((T, hq, d)), q.new_empty((hq, T), dtype=torch.float32)
 
 
-@torch.library.custom_op("distca::core_attention_bwd", mutates_args=("dq", "dk", "dv"))
+@torch.library.custom_op("distca::core_attention_bwd", mutates_args=("token",))
 def _core_attention_bwd(
-    dq: torch.Tensor,  # [T, Hq, D] (written)
-    dk: torch.Tensor,  # [T, Hkv, D] (written)
-    dv: torch.Tensor,  # [T, Hkv, D] (written)
+    token: torch.Tensor,  # int64 [1], a fresh tensor: mutated so the op is never dropped or reordered
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -334,58 +233,51 @@ def _core_attention_bwd(
     softmax_scale: float,
     ca_mode: str,
     kernel_backend: str,
-) -> None:
-    entry = _entry(handle)
-    m, pg = _meta_on(entry, q.device), entry.group
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns fresh ``dq`` [T, Hq, D], ``dk``, ``dv`` [kv_rows, Hkv, D], row-major."""
+    dp = _lookup(handle)
+    f = dp.flight(q.device, softmax_scale, ca_mode, kernel_backend)
     if ca_mode == "keep":
         sid = int(stash_id.reshape(-1)[0])
-        if sid not in entry.stash:
+        if sid not in dp._stash:
             raise RuntimeError(
                 f'core_attention mode="keep": no server tensors stashed for this backward (stash id {sid}); '
-                "a recomputed forward (activation checkpointing) does not stash them again: use mode=\"resend\""
+                "a forward under no_grad or a recomputed forward (activation checkpointing) does not stash "
+                'them: use mode="resend"'
             )
-        qs, ks, vs, o, l = entry.stash.pop(sid)
-        (do,) = _send_q_rows(m, pg, dout)
-    else:
-        # Stateless server: home re-sends what the backward needs (q, out, dout, lse; K and V).
-        qs, o, do, lt = _send_q_rows(m, pg, q, out, dout, lse.t())
-        l = lt.t().contiguous()
-        ks, vs = _send_kv(m, pg, k, v)
-    dqs, dks, dvs = kernels.varlen_attn_backward(
-        do.contiguous(), qs, ks, vs, o.contiguous(), l, m.cu_seqlens_q, m.cu_seqlens_k,
-        m.max_seqlen_q, m.max_seqlen_k, softmax_scale, True, kernel_backend,
-    )  # fmt: skip
-    (dq_home,) = _return_q_rows(m, pg, dqs)
-    dk_home, dv_home = _return_dkv(m, pg, dks, dvs)
-    dq.copy_(dq_home)
-    dk.copy_(dk_home)
-    dv.copy_(dv_home)
+        f.stash = dp._stash.pop(sid)
+    f.dispatch_bwd(dout, q, k, v, out, lse)
+    f.serve_bwd()
+    dq, dk, dv = f.land_bwd()
+    token.fill_(1)
+    return _owned_dense(dq), _owned_dense(dk), _owned_dense(dv)
 
 
 @_core_attention_bwd.register_fake
-def _(dq, dk, dv, dout, q, k, v, out, lse, stash_id, handle, softmax_scale, ca_mode, kernel_backend) -> None:
-    return None
+def _(token, dout, q, k, v, out, lse, stash_id, handle, softmax_scale, ca_mode, kernel_backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 class _CoreAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, handle, softmax_scale, mode, backend):
+    def forward(ctx, q, k, v, handle, owner, softmax_scale, mode, backend, for_backward):
         stash_id = torch.zeros(1, dtype=torch.int64)
-        out, lse = torch.ops.distca.core_attention_fwd(stash_id, q, k, v, handle, softmax_scale, mode, backend)
+        out, lse = torch.ops.distca.core_attention_fwd(
+            stash_id, q, k, v, handle, softmax_scale, mode, backend, for_backward
+        )
         ctx.save_for_backward(q, k, v, out, lse, stash_id, handle)
+        ctx.owner = owner  # eager: a plan made inside core_attention lives until this backward
         ctx.cfg = (softmax_scale, mode, backend)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, stash_id, handle = ctx.saved_tensors
-        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-        torch.ops.distca.core_attention_bwd(
-            dq, dk, dv, dout.contiguous(), q, k, v, out, lse, stash_id, handle, *ctx.cfg
+        token = torch.zeros(1, dtype=torch.int64)
+        dq, dk, dv = torch.ops.distca.core_attention_bwd(
+            token, dout.contiguous(), q, k, v, out, lse, stash_id, handle, *ctx.cfg
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ---- public API -----------------------------------------------------------------------------
@@ -426,42 +318,44 @@ def _local_error(q, k, v, cu: np.ndarray | None, T_plan: int, R: int, kv_rows: i
     return None
 
 
-def _resolve_handle(plan, cu_seqlens, group) -> torch.Tensor:
-    """The registry handle for ``plan`` (see :func:`core_attention`), preparing one if needed."""
+def _resolve_plan(plan, cu_seqlens, group) -> tuple[torch.Tensor, "DispatchPlan | None"]:
+    """(handle, owner) for ``plan`` (see :func:`core_attention`), preparing one if needed.
+
+    ``owner`` is the DispatchPlan when this call holds it (None for a bare handle)."""
     if isinstance(plan, torch.Tensor):
-        return plan
+        return plan, None
     if isinstance(plan, DispatchPlan):
-        return plan.handle
+        return plan.handle, plan
     if isinstance(plan, Plan) or plan is None:
         if plan is None and cu_seqlens is None:
             raise ValueError("cu_seqlens is required when plan is None")
-        return prepare(plan if plan is not None else cu_seqlens, group).handle
+        dp = prepare(plan if plan is not None else cu_seqlens, group)
+        return dp.handle, dp
     raise TypeError(f"plan must be a DispatchPlan, its handle, a Plan or None, got {type(plan).__name__}")
 
 
-def _verify(handle: torch.Tensor, q, k, v, cu_seqlens, mode: str) -> None:
+def _verify(dp: DispatchPlan, q, k, v, cu_seqlens, mode: str) -> None:
     """Eager: validate on every rank, agreeing before any data moves.
 
     The full check (cu_seqlens against the plan: a host copy) and the all-reduce run on
     the first call per plan and input signature, i.e. once per step, not once per layer.
     """
-    entry = _entry(handle)
-    lay = entry.plan.layout
+    lay = dp.plan.layout
     tensors = all(isinstance(x, torch.Tensor) for x in (q, k, v))
     sig = (tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), mode) if tensors else None
-    first = sig not in entry.verified
+    first = sig not in dp._verified
     cu = _as_numpy(cu_seqlens) if first and cu_seqlens is not None else None
     err = _local_error(q, k, v, cu, lay.tokens_per_rank, lay.ranks, lay.kv_rows)
     if err is None and cu is not None and (cu.size != lay.num_docs + 1 or np.any(cu != lay.cu_array)):
         err = "cu_seqlens differ from the layout the plan was made for"
     if err is not None or first:
         agree(
-            entry.group,
+            dp.group,
             q.device if tensors else torch.device("cpu"),
             err,
             {"T and head shapes": fingerprint(sig), "mode": fingerprint(mode)},
         )
-        entry.verified.add(sig)
+        dp._verified.add(sig)
 
 
 def core_attention(
@@ -484,8 +378,8 @@ def core_attention(
         cu_seqlens: global document boundaries (0 ... R*T), the same on every rank;
             may be None when ``plan`` is given.
         group: ProcessGroup, DeviceMesh (its "ca" dim, or its only dim), or None (world).
-        plan: a :class:`DispatchPlan` from :func:`prepare` (or its ``handle``, inside
-            compiled code), a :class:`Plan`, or None to plan here with the default policy.
+        plan: a :class:`DispatchPlan` from :func:`prepare` (or its ``handle``), a
+            :class:`Plan`, or None to plan here with the default policy.
         softmax_scale: default 1/sqrt(D).
         mode: ``"resend"`` (servers keep nothing; backward re-sends Q, O, dO, LSE, K, V)
             or ``"keep"`` (servers keep what they received until backward).
@@ -526,11 +420,13 @@ def core_attention(
         if backend is None:
             backend = kernels.select_backend(q.device)
 
-    handle = _resolve_handle(plan, cu_seqlens, group)
+    handle, owner = _resolve_plan(plan, cu_seqlens, group)
+    # keep mode stashes server tensors only for a forward that a backward will consume.
+    for_backward = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v))
     if torch.compiler.is_compiling():
-        return _CoreAttentionFn.apply(q, k, v, handle, softmax_scale, mode, backend)
-    _verify(handle, q, k, v, cu_seqlens, mode)
-    return _CoreAttentionFn.apply(q, k, v, handle, softmax_scale, mode, backend)
+        return _CoreAttentionFn.apply(q, k, v, handle, None, softmax_scale, mode, backend, for_backward)
+    _verify(owner if owner is not None else _lookup(handle), q, k, v, cu_seqlens, mode)
+    return _CoreAttentionFn.apply(q, k, v, handle, owner, softmax_scale, mode, backend, for_backward)
 
 
 class CoreAttention(nn.Module):

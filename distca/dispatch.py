@@ -1,42 +1,56 @@
-"""Compile a plan into one rank's all-to-all metadata, and move tensors with it.
+"""Compile a plan into one rank's dispatch metadata (pure: numpy in, tensors out).
 
 Every rank is both a *home* (it holds T rows of Q/K/V for the linear layers)
-and an *attention server* (it runs the tasks the plan gives it). For one plan
-and one rank, :func:`build_dispatch` computes:
+and an *attention server* (it runs the tasks the plan gives it). A server's
+tasks fall in two kinds:
 
-- home side: which local rows go to which server, for Q (each row exactly once,
-  since every query is served once) and for KV (a row goes to every server that
-  needs it for some task's causal prefix, once per server);
-- server side: how the received rows map to the kernel's packed layout
-  (tasks in plan order, ``cu_seqlens_q``/``cu_seqlens_k``), with KV rows that
-  several tasks need replicated locally rather than sent twice.
+- **in place**: every Q and K/V row of the task lives on the server itself, and
+  the tasks' key ranges do not overlap. These run as one kernel call straight on
+  the home tensors: ``q`` [T] with ``local_cu_q`` over its rows and ``k``/``v``
+  [kv_rows] with ``local_cu_k``; rows served elsewhere sit in *gap tasks* (queries
+  without keys, or keys without queries), which cost nothing and give 0. Nothing
+  is gathered, packed or copied.
+- **exchanged**: everything else. Their rows travel by all-to-all: home side,
+  which local rows go to which server (Q once, since every query is served
+  once; a K/V row once per server that needs it); server side, how received
+  rows map to the kernel's packed layout (tasks in plan order), with K/V rows
+  that several tasks need replicated locally rather than sent twice.
 
-The inverse maps carry outputs (O, LSE) and gradients (dQ, and dK/dV summed
-over local replicas on the server, then over servers at home) back.
+The return trip reuses the send order: a returned row ``i`` is local row
+``q_send_idx[i]`` (O, LSE, dQ) or ``kv_send_idx[i]`` (dK/dV, summed).
 
-Rows are exchanged with ``all_to_all_single`` (gloo rejects uneven list-form
-all-to-all); the rows a rank sends to itself are a local copy.
+All index arrays live in ONE flat int64 tensor (``DispatchMeta.flat``); the fields
+are views of it, so moving the metadata to a device is one transfer
+(:meth:`DispatchMeta.to`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from distca.planner import Plan
 
-__all__ = ["DispatchMeta", "build_dispatch", "all_to_all_rows", "start_all_to_all_rows"]
+__all__ = ["DispatchMeta", "build_dispatch"]
+
+_INDEX_FIELDS = (
+    "q_send_idx", "kv_send_idx", "kv_back_rows", "kv_back_inv",
+    "q_recv_to_task", "q_task_to_recv", "kv_task_idx",
+)  # fmt: skip
+"""int64 fields, views of ``flat``."""
+_CU_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "local_cu_q", "local_cu_k")
+"""int32 fields, views of ``flat`` (two per int64 slot)."""
 
 
 @dataclass(frozen=True, eq=False)
 class DispatchMeta:
-    """One rank's dispatch metadata for one plan. Index tensors are int64 on CPU.
+    """One rank's dispatch metadata for one plan; tensor fields are views of ``flat``.
 
-    Shape legend: T local rows, R ranks, Nq query rows and Nkv KV rows this rank
-    receives as a server, Nk kernel KV rows (Nkv plus local replicas), B tasks.
+    Shape legend: T local rows, R ranks, S rows this rank sends (Q), Nq query rows
+    and Nkv K/V rows it receives as a server, Nk kernel K/V rows (Nkv plus local
+    replicas), B exchanged tasks, L in-place kernel tasks (gaps included).
     """
 
     rank: int
@@ -44,16 +58,29 @@ class DispatchMeta:
     tokens_per_rank: int
     kv_rows: int
     """K/V rows per rank the op takes: T, or 2T for a layout with context (previous nano-batch first)."""
+    flat: torch.Tensor
+    """int64: every index array below, back to back (one transfer to a device)."""
+    # ---- in place ----
+    local_cu_q: torch.Tensor
+    """int32 [L + 1] offsets into the home's q [T]; ends at T."""
+    local_cu_k: torch.Tensor
+    """int32 [L + 1] offsets into the home's k/v [kv_rows]; ends at kv_rows."""
+    local_max_q: int
+    local_max_k: int
+    local_tasks: int
+    """Tasks run in place (gap tasks not counted); 0: no in-place kernel call."""
     # ---- home side ----
     q_send_idx: torch.Tensor
-    """[T] local rows in send order (grouped by server); a permutation of 0..T-1."""
-    q_send_inv: torch.Tensor
-    """[T] inverse of ``q_send_idx``: local row i arrives back at position q_send_inv[i]."""
+    """[S] local rows sent to servers, grouped by server; each row at most once."""
     q_send_splits: tuple[int, ...]
     """[R] Q rows sent to each server."""
     kv_send_idx: torch.Tensor
-    """[sum(kv_send_splits)] local KV rows (of ``kv_rows``) in send order; a row may repeat (several servers)."""
+    """[sum(kv_send_splits)] local K/V rows (of ``kv_rows``) in send order; a row may repeat (several servers)."""
     kv_send_splits: tuple[int, ...]
+    kv_back_rows: torch.Tensor
+    """[U] the distinct rows of ``kv_send_idx`` (where returned dK/dV land)."""
+    kv_back_inv: torch.Tensor
+    """[sum(kv_send_splits)] position of each ``kv_send_idx`` row in ``kv_back_rows``."""
     # ---- server side ----
     q_recv_splits: tuple[int, ...]
     """[R] Q rows received from each home."""
@@ -65,33 +92,59 @@ class DispatchMeta:
     kv_task_idx: torch.Tensor
     """[Nk] kernel KV row -> received KV row (a received row repeats for each task using it)."""
     cu_seqlens_q: torch.Tensor
-    """[B + 1] int32 kernel query offsets."""
+    """int32 [B + 1] kernel query offsets of the exchanged tasks."""
     cu_seqlens_k: torch.Tensor
-    """[B + 1] int32 kernel key offsets; task b's keys are its document's prefix [0, q_end)."""
+    """int32 [B + 1] kernel key offsets; task b's keys are its document's prefix [0, q_end)."""
     max_seqlen_q: int
     max_seqlen_k: int
     local_only: bool = False
     """True when no rank of the plan sends any row to another rank (a global property,
     equal on every rank), so the exchanges can be skipped by all ranks together."""
     identity: frozenset = frozenset()
-    """Names of the index fields that are 0..n-1 in order: gathering with them is a no-op."""
+    """Names of the index fields that are 0..n-1 over their whole source: gathering with them is a no-op."""
 
     def take(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """``x[getattr(self, name)]``, without the copy when that index is the identity."""
         # index_select, not x[idx]: on CPU the advanced-indexing kernel is 3-7x slower for row gathers.
         return x if name in self.identity else torch.index_select(x, 0, getattr(self, name))
 
+    def rows(self, name: str) -> torch.Tensor | None:
+        """The index ``name``, or None where it is the identity (no gather)."""
+        return None if name in self.identity else getattr(self, name)
+
     @property
     def num_tasks(self) -> int:
+        """Exchanged tasks this rank serves."""
         return int(self.cu_seqlens_q.numel()) - 1
 
+    @property
+    def q_recv_rows(self) -> int:
+        return sum(self.q_recv_splits)
+
+    @property
+    def kv_recv_rows(self) -> int:
+        return sum(self.kv_recv_splits)
+
     def to(self, device: torch.device | str) -> "DispatchMeta":
-        """The same metadata with index tensors on ``device`` (cu_seqlens too)."""
-        moved = {f: getattr(self, f).to(device) for f in (*_INDEX_FIELDS, "cu_seqlens_q", "cu_seqlens_k")}
-        return DispatchMeta(**{**self.__dict__, **moved})
+        """The same metadata on ``device``: one (non-blocking, pinned on CUDA) copy of ``flat``."""
+        device = torch.device(device)
+        if self.flat.device == device:
+            return self
+        src = self.flat.pin_memory() if device.type == "cuda" and self.flat.device.type == "cpu" else self.flat
+        moved = src.to(device, non_blocking=True)
+        return replace(self, flat=moved, **_views(self, moved))
 
 
-_INDEX_FIELDS = ("q_send_idx", "q_send_inv", "kv_send_idx", "q_recv_to_task", "q_task_to_recv", "kv_task_idx")
+def _views(m: DispatchMeta, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Re-point ``m``'s tensor fields at ``flat`` (same offsets)."""
+    base = m.flat.data_ptr()
+    out = {}
+    for name in (*_INDEX_FIELDS, *_CU_FIELDS):
+        t = getattr(m, name)
+        off = (t.data_ptr() - base) // t.element_size() if t.numel() else 0
+        src = flat if t.dtype == torch.int64 else flat.view(torch.int32)
+        out[name] = src[off : off + t.numel()]
+    return out
 
 
 def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -107,13 +160,74 @@ def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 def _recv_order(homes: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
     """Rows arrive grouped by home rank, each group in kernel order.
 
-    Returns (recv_to_task, task_to_recv, splits): kernel row c is received row
-    recv_to_task[c].
+    Returns (recv_to_task, task_to_recv, splits): kernel row c is received row recv_to_task[c].
     """
     order = np.argsort(homes, kind="stable")  # received row k is kernel row order[k]
     recv_to_task = np.empty_like(order)
     recv_to_task[order] = np.arange(order.size)
     return recv_to_task, order, tuple(np.bincount(homes, minlength=R).tolist())
+
+
+def _in_place(plan: Plan) -> np.ndarray:
+    """bool [N tasks]: the tasks each server runs in place (see the module docstring).
+
+    A task qualifies when its Q rows and its whole K/V prefix live on its server, as one
+    contiguous range of the server's K/V buffer; among those, a server keeps the tasks
+    whose key range starts after every earlier (by query row) task's, so that one
+    kernel call with gap tasks covers them.
+    """
+    lay, t = plan.layout, plan.tasks
+    T, RT = lay.tokens_per_rank, lay.total_tokens
+    if t.shape[0] == 0:
+        return np.zeros(0, dtype=bool)
+    doc, qs, qe, srv = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
+    g0 = lay.q_base[doc]
+    ok = ((g0 + qs) // T == srv) & ((g0 + qe - 1) // T == srv)
+    lo, hi = lay.kv_intervals(doc, qe)  # [N, 2]: (context, this nano-batch)
+    nonempty = hi > lo
+    home_lo, home_hi = (lo % RT) // T, ((hi - 1) % RT) // T
+    ok &= np.all(~nonempty | ((home_lo == srv[:, None]) & (home_hi == srv[:, None])), axis=1)
+    b_lo, b_last = lay.kv_buffer_row(lo), lay.kv_buffer_row(hi - 1)
+    both = nonempty.all(axis=1)
+    ok &= ~both | (b_last[:, 0] + 1 == b_lo[:, 1])
+    ks = np.where(nonempty[:, 0], b_lo[:, 0], b_lo[:, 1])
+    # Per server, by query row: keep a task if its keys start after every earlier task's keys end.
+    qa = g0 + qs - srv * T
+    big = np.int64(4 * (lay.kv_rows + 1))
+    order = np.lexsort((qa, ~ok, srv))  # candidates first within each server, then by row
+    ke = np.where(ok, ks + qe, -1)[order] + srv[order] * big
+    prev = np.concatenate([[np.iinfo(np.int64).min], np.maximum.accumulate(ke)[:-1]])
+    keep = np.zeros(t.shape[0], dtype=bool)
+    keep[order] = ok[order] & (ks[order] + srv[order] * big >= prev)
+    return keep
+
+
+def _local_cu(plan: Plan, tasks: np.ndarray, kv_rows: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """int32 (cu_q, cu_k) of the in-place kernel call: ``tasks`` (this rank's, in place)
+    by query row, with gap tasks (queries without keys, keys without queries) between."""
+    lay = plan.layout
+    T = lay.tokens_per_rank
+    if tasks.shape[0] == 0:
+        return np.zeros(1, np.int32), np.zeros(1, np.int32)
+    doc, qs, qe = tasks[:, 0], tasks[:, 1], tasks[:, 2]
+    qa = lay.q_base[doc] + qs - rank * T
+    order = np.argsort(qa, kind="stable")
+    doc, qs, qe, qa = doc[order], qs[order], qe[order], qa[order]
+    lo, hi = lay.kv_intervals(doc, qe)
+    ks = lay.kv_buffer_row(np.where(hi[:, 0] > lo[:, 0], lo[:, 0], lo[:, 1]))
+    lq, lk = qe - qs, qe
+    prev_q = np.concatenate([[0], qa[:-1] + lq[:-1]])
+    prev_k = np.concatenate([[0], ks[:-1] + lk[:-1]])
+    zero = np.zeros_like(lq)
+    # Per task: [query gap, 0], [0, key gap], [lq, lk]; then the tails.
+    dq = np.stack([qa - prev_q, zero, lq], axis=1).reshape(-1)
+    dk = np.stack([zero, ks - prev_k, lk], axis=1).reshape(-1)
+    dq = np.concatenate([dq, [T - (qa[-1] + lq[-1]), 0]])
+    dk = np.concatenate([dk, [0, kv_rows - (ks[-1] + lk[-1])]])
+    keep = (dq > 0) | (dk > 0)
+    cu_q = np.concatenate([[0], np.cumsum(dq[keep])]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(dk[keep])]).astype(np.int32)
+    return cu_q, cu_k
 
 
 def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
@@ -128,7 +242,9 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
     RT = R * T
     if not 0 <= rank < R:
         raise ValueError(f"rank must be in [0, {R}) for a plan of {R} ranks, got {rank}")
-    t = plan.tasks
+    in_place = _in_place(plan)
+    local_cu_q, local_cu_k = _local_cu(plan, plan.tasks[in_place & (plan.tasks[:, 3] == rank)], lay.kv_rows, rank)
+    t = plan.tasks[~in_place]  # still sorted by (server, doc, q_start)
     doc, qs, qe, srv = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
     base = lay.q_base
     g0 = base[doc]
@@ -140,10 +256,9 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
     mine = hi > lo
     q_send_idx = _ranges(lo[mine], hi[mine]) - my_lo
     q_send_splits = tuple(np.bincount(srv[mine], hi[mine] - lo[mine], R).astype(np.int64).tolist())
-    if q_send_idx.size != T:
+    n_local = int(np.diff(local_cu_q.astype(np.int64))[np.diff(local_cu_k.astype(np.int64)) > 0].sum())
+    if q_send_idx.size + n_local != T:
         raise AssertionError(f"plan does not serve each of rank {rank}'s {T} query rows exactly once")
-    q_send_inv = np.empty_like(q_send_idx)
-    q_send_inv[q_send_idx] = np.arange(T)
 
     # ---- KV groups: (server, doc) with the longest prefix any of its tasks needs.
     if doc.size:
@@ -165,6 +280,7 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
     mine = hi > lo
     kv_send_idx = lay.kv_buffer_row(_ranges(lo[mine], hi[mine]))
     kv_send_splits = tuple(np.bincount(iv_srv[mine], hi[mine] - lo[mine], R).astype(np.int64).tolist())
+    kv_back_rows, kv_back_inv = np.unique(kv_send_idx, return_inverse=True)
 
     # ---- server side, Q.
     s_lo, s_hi = np.searchsorted(srv, [rank, rank + 1])
@@ -188,28 +304,29 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
     cu_q = np.concatenate([[0], np.cumsum(qlen)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(klen)]).astype(np.int32)
 
-    def i64(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-
-    idx = dict(zip(_INDEX_FIELDS, (q_send_idx, q_send_inv, kv_send_idx, q_recv_to_task, q_task_to_recv, kv_task_idx)))
+    idx = dict(zip(_INDEX_FIELDS, (q_send_idx, kv_send_idx, kv_back_rows, kv_back_inv, q_recv_to_task, q_task_to_recv, kv_task_idx)))
     # Rows of the tensor each index gathers from: the identity must cover all of them.
-    sources = dict(zip(_INDEX_FIELDS, (T, T, lay.kv_rows, sum(q_recv_splits), sum(q_recv_splits), sum(kv_recv_splits))))
+    sources = {"q_recv_to_task": sum(q_recv_splits), "q_task_to_recv": sum(q_recv_splits), "kv_task_idx": sum(kv_recv_splits)}
     identity = frozenset(
-        name for name, a in idx.items() if a.size == sources[name] and np.array_equal(a, np.arange(a.size))
+        name for name, n in sources.items() if idx[name].size == n and np.array_equal(idx[name], np.arange(n))
     )
-
+    cus = dict(zip(_CU_FIELDS, (cu_q, cu_k, local_cu_q, local_cu_k)))
+    flat, views = _flatten(idx, cus)
+    lq, lk = np.diff(local_cu_q), np.diff(local_cu_k)
     return DispatchMeta(
         rank=rank,
         ranks=R,
         tokens_per_rank=T,
         kv_rows=lay.kv_rows,
-        **{name: i64(a) for name, a in idx.items()},
+        flat=flat,
+        **views,
+        local_max_q=int(lq.max()) if lq.size else 0,
+        local_max_k=int(lk.max()) if lk.size else 0,
+        local_tasks=int(((lq > 0) & (lk > 0)).sum()),
         q_send_splits=q_send_splits,
         kv_send_splits=kv_send_splits,
         q_recv_splits=q_recv_splits,
         kv_recv_splits=kv_recv_splits,
-        cu_seqlens_q=torch.from_numpy(cu_q),
-        cu_seqlens_k=torch.from_numpy(cu_k),
         max_seqlen_q=int(qlen.max()) if qlen.size else 0,
         max_seqlen_k=int(klen.max()) if klen.size else 0,
         local_only=plan.traffic.src.size == 0,
@@ -217,42 +334,21 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
     )
 
 
-def all_to_all_rows(
-    x: torch.Tensor,
-    send_splits: tuple[int, ...],
-    recv_splits: tuple[int, ...],
-    group: dist.ProcessGroup | None,
-    local_only: bool = False,
-) -> torch.Tensor:
-    """Exchange rows of ``x`` [N, ...] (grouped by destination) with every rank of ``group``.
-
-    Eager ``dist.all_to_all_single``: call it only outside functional custom ops
-    (Inductor may drop a functional op whose result is empty). ``local_only``
-    (the same on every rank) skips the collective: every row stays here.
-    """
-    out, work = start_all_to_all_rows(x, send_splits, recv_splits, group, local_only)
-    if work is not None:
-        work.wait()
-    return out
-
-
-def start_all_to_all_rows(
-    x: torch.Tensor,
-    send_splits: tuple[int, ...],
-    recv_splits: tuple[int, ...],
-    group: dist.ProcessGroup | None,
-    local_only: bool = False,
-) -> tuple[torch.Tensor, "dist.Work | None"]:
-    """:func:`all_to_all_rows` without waiting: returns ``(out, work)``.
-
-    ``out`` is valid after ``work.wait()`` (``work`` is None when nothing moves). On CPU
-    the exchange runs on the process group's own thread; with NCCL on its stream, and
-    ``wait()`` makes the current stream wait for it. Every rank must start exchanges
-    on a group in the same order.
-    """
-    x = x.contiguous()
-    if local_only:
-        return x, None
-    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-    work = dist.all_to_all_single(out, x, list(recv_splits), list(send_splits), group=group, async_op=True)
-    return out, work
+def _flatten(idx: dict[str, np.ndarray], cus: dict[str, np.ndarray]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One int64 buffer holding the int64 arrays ``idx`` and the int32 arrays ``cus``; views into it."""
+    pieces, spans = [], {}
+    off = 0
+    for name, a in idx.items():
+        pieces.append(np.asarray(a, dtype=np.int64))
+        spans[name] = (off, a.size)
+        off += a.size
+    for name, a in cus.items():
+        a32 = np.asarray(a, dtype=np.int32)
+        padded = np.concatenate([a32, np.zeros(a32.size % 2, np.int32)])
+        pieces.append(padded.view(np.int64))
+        spans[name] = (2 * off, a32.size)  # in int32 units
+        off += padded.size // 2
+    flat = torch.from_numpy(np.concatenate(pieces) if pieces else np.zeros(0, np.int64))
+    f32 = flat.view(torch.int32)
+    views = {name: (flat if name in idx else f32)[o : o + n] for name, (o, n) in spans.items()}
+    return flat, views

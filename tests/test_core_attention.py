@@ -231,7 +231,7 @@ def _opcheck_worker(rank, world):
         g = torch.Generator().manual_seed(T)
         q, k, v = (torch.randn(T, h, 8, generator=g) for h in (hq, hkv, hkv))
         stash_id = torch.zeros(1, dtype=torch.int64)
-        args = (stash_id, q, k, v, dp.handle, 0.3, mode, "cpu")
+        args = (stash_id, q, k, v, dp.handle, 0.3, mode, "cpu", True)
         torch.library.opcheck(torch.ops.distca.core_attention_fwd.default, args)  # raises on a bad fake/schema
         out, lse = torch.ops.distca.core_attention_fwd(*args)
         # The real strides are the fake's (row-major), and the outputs share no storage.

@@ -53,17 +53,18 @@ def simulate(p, q, k, v):
     v_recv = exchange([vl[r][metas[r].kv_send_idx] for r in range(R)], lambda m: m.kv_send_splits)
     outs_srv = []
     for j, m in enumerate(metas):
-        assert tuple(q_recv[j].shape[0] for _ in [0]) == (sum(m.q_recv_splits),)
+        assert q_recv[j].shape[0] == sum(m.q_recv_splits)
         qs = q_recv[j][m.q_recv_to_task]
         ks, vs = k_recv[j][m.kv_task_idx], v_recv[j][m.kv_task_idx]
         o = task_attention(qs, ks, vs, m.cu_seqlens_q.tolist(), m.cu_seqlens_k.tolist())
         outs_srv.append(o[m.q_task_to_recv])  # back in received (home-grouped) order
-    # Return path: server j sends its rows for home h back.
+    # Return path: server j sends its rows for home h back; in-place tasks ran on the home's own rows.
     parts = [list(o.split(list(m.q_recv_splits))) for o, m in zip(outs_srv, metas)]
     out = []
     for h, m in enumerate(metas):
-        back = torch.cat([parts[j][h] for j in range(R)])
-        out.append(back[m.q_send_inv])
+        mine = task_attention(ql[h], kl[h], vl[h], m.local_cu_q.tolist(), m.local_cu_k.tolist())
+        mine[m.q_send_idx] = torch.cat([parts[j][h] for j in range(R)])
+        out.append(mine)
     return torch.cat(out)
 
 
@@ -127,7 +128,8 @@ def test_kv_rows_sent_once_per_server():
             assert chunk.unique().numel() == chunk.numel()
         assert m.kv_task_idx.numel() >= sum(m.kv_recv_splits)
         assert m.kv_task_idx.max() < sum(m.kv_recv_splits)
-        assert sorted(m.q_send_idx.tolist()) == list(range(64))
+        local = [i for a, b, c, d in zip(m.local_cu_q[:-1], m.local_cu_q[1:], m.local_cu_k[:-1], m.local_cu_k[1:]) if d > c for i in range(a, b)]
+        assert sorted(m.q_send_idx.tolist() + local) == list(range(64))
 
 
 def test_bad_rank():
@@ -150,7 +152,7 @@ def test_bad_rank():
 def test_pack_unpack_round_trip(n, parts, gather, seed):
     # Mixed dtypes and odd widths (a 3-element bf16 row is 6 bytes) packed into one uint8
     # message, with or without a row gather on each side; strided parts (lse.t()) included.
-    from distca.api import _pack, _unpack
+    from distca.exchange import _pack, _unpack
 
     g = torch.Generator().manual_seed(seed)
     xs = []

@@ -1,0 +1,300 @@
+"""The CA exchange: one nano-batch's core attention as phases over one all-to-all transport.
+
+:class:`Flight` is the only code that moves core-attention rows. ``distca.core_attention``
+runs its phases back to back inside its custom ops; ``distca.pingpong`` runs the same
+phases of two nano-batches interleaved. Per phase, home ``h`` and server ``s`` (every rank
+is both)::
+
+    forward   dispatch      h: pack Q rows and K/V rows of exchanged tasks ---- all-to-all --->
+              serve         s: in-place kernel on its own rows (overlaps the transfer);
+                               wait, kernel on received rows, pack O and LSE  <-- all-to-all --
+              land          h: wait, write returned O/LSE rows into out/lse
+    backward  dispatch_bwd  h: pack q, out, dout, LSE rows (resend) or dout (keep);
+                               K/V rows (resend)                          ---- all-to-all --->
+              serve_bwd     s: in-place backward kernel; wait, backward kernel on received
+                               rows, sum dK/dV over replicas, pack dQ and dK/dV <-- all-to-all --
+              land_bwd      h: wait, write dQ rows, add dK/dV rows (fp32 for 16-bit dtypes)
+
+Rows a server holds itself (tasks in place, :mod:`distca.dispatch`) never enter a message:
+the in-place kernel reads ``q``/``k``/``v`` where they are and its outputs become ``out``,
+``lse``, ``dq``, ``dk``, ``dv`` directly. Only exchanged rows are packed: the parts of one
+message (e.g. K and V, or O and LSE) are gathered straight into one uint8 buffer, one copy
+per part each way.
+
+Transport: ``all_to_all_single`` with ``async_op=True`` (gloo's own thread on CPU; NCCL's
+stream on CUDA, where ``wait`` is a stream wait). Every rank must run the phases of all
+flights on a group in the same order (collectives are matched by order). When no rank
+sends a row to another (``DispatchMeta.local_only``), no collective runs at all.
+
+Eager code: call it only outside functional custom ops (Inductor may drop a functional op
+whose result is empty).
+
+Shape legend: T rows per rank, Hq/Hkv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from distca import kernels
+from distca.dispatch import DispatchMeta
+
+__all__ = ["ExchangeStats", "Flight"]
+
+_Spec = tuple[tuple[int, ...], torch.dtype, int]
+"""A packed part: (row shape, dtype, byte offset in the row)."""
+
+
+@dataclass
+class ExchangeStats:
+    """Host seconds spent blocked in exchange waits (what the schedule failed to hide, on CPU;
+    on CUDA ``wait`` only orders streams, so this stays near 0)."""
+
+    wait_s: float = 0.0
+
+
+# ---- packing --------------------------------------------------------------------------------
+
+
+def _typed(buf: torch.Tensor, spec: _Spec) -> torch.Tensor:
+    """Columns of a packed [N, W] uint8 buffer as the part [N, *shape] (a strided view)."""
+    shape, dtype, off = spec
+    size = torch.empty((), dtype=dtype).element_size()
+    cols = buf[:, off : off + math.prod(shape) * size]
+    return cols.view(dtype).view(buf.shape[0], *shape)
+
+
+def _pack(parts: tuple[torch.Tensor, ...], rows: torch.Tensor | None) -> tuple[torch.Tensor, list[_Spec]]:
+    """Rows ``rows`` (None: all) of row-aligned parts [N, ...], possibly of different dtypes,
+    gathered straight into one [n, W] uint8 message: one copy per part.
+
+    Parts go widest dtype first and W is padded to that dtype's size, so every part's
+    columns are aligned views of its dtype.
+    """
+    sizes = [p.element_size() for p in parts]
+    specs: list = [None] * len(parts)
+    off = 0
+    for i in sorted(range(len(parts)), key=lambda i: -sizes[i]):
+        specs[i] = (tuple(parts[i].shape[1:]), parts[i].dtype, off)
+        off += math.prod(parts[i].shape[1:]) * sizes[i]
+    width = -(-off // max(sizes)) * max(sizes)
+    n = parts[0].shape[0] if rows is None else rows.numel()
+    buf = torch.empty((n, width), dtype=torch.uint8, device=parts[0].device)
+    for p, spec in zip(parts, specs):
+        dst = _typed(buf, spec)
+        if rows is None:
+            dst.copy_(p)
+        else:
+            torch.index_select(p, 0, rows, out=dst)
+    return buf, specs
+
+
+def _unpack(buf: torch.Tensor, specs: list[_Spec], rows: torch.Tensor | None) -> list[torch.Tensor]:
+    """Rows ``rows`` (None: all) of each part of a packed buffer, each contiguous: one copy per part."""
+    return [_typed(buf, s).contiguous() if rows is None else torch.index_select(_typed(buf, s), 0, rows) for s in specs]
+
+
+@dataclass(eq=False)
+class _Message:
+    """One all-to-all in flight (or, with ``work`` None, a buffer that stayed here)."""
+
+    buf: torch.Tensor
+    specs: list[_Spec]
+    work: "dist.Work | None"
+
+
+# ---- the flight -------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Flight:
+    """One nano-batch's core attention in progress on one rank, forward and backward.
+
+    Phases run in order: ``dispatch``, ``serve``, ``land`` (forward), then
+    ``dispatch_bwd``, ``serve_bwd``, ``land_bwd``. ``mode="keep"`` holds the server's
+    received tensors from ``serve`` to ``serve_bwd`` (in :attr:`stash`); ``"resend"``
+    holds nothing and the home re-sends in ``dispatch_bwd``.
+    """
+
+    meta: DispatchMeta
+    group: dist.ProcessGroup | None
+    softmax_scale: float
+    mode: str
+    backend: str
+    stats: ExchangeStats = field(default_factory=ExchangeStats)
+    stash: tuple = ()
+    """keep mode: the server's (q, k, v, out, lse) of its exchanged tasks, forward to backward."""
+    _home: tuple = ()
+    _msgs: tuple = ()
+    _result: tuple = ()
+
+    # ---- transport ---------------------------------------------------------------------------
+
+    def _send(self, parts: tuple[torch.Tensor, ...], rows: torch.Tensor | None, send, recv) -> _Message:
+        """Pack rows ``rows`` (None: all) of ``parts`` and start the all-to-all."""
+        buf, specs = _pack(parts, rows)
+        if self.meta.local_only:
+            return _Message(buf, specs, None)
+        out = buf.new_empty((sum(recv), buf.shape[1]))
+        work = dist.all_to_all_single(out, buf, list(recv), list(send), group=self.group, async_op=True)
+        return _Message(out, specs, work)
+
+    def _wait(self, msg: _Message) -> torch.Tensor:
+        if msg.work is not None:
+            t0 = time.perf_counter()
+            msg.work.wait()
+            self.stats.wait_s += time.perf_counter() - t0
+        return msg.buf
+
+    def _parts(self, msg: _Message, rows: torch.Tensor | None) -> list[torch.Tensor]:
+        """Wait; the message's parts, rows ``rows`` (None: all), each contiguous."""
+        return _unpack(self._wait(msg), msg.specs, rows)
+
+    def _views(self, msg: _Message, rows: torch.Tensor | None) -> list[torch.Tensor]:
+        """Wait; the message's parts as strided views of its rows ``rows`` (one gather at most)."""
+        buf = self._wait(msg)
+        if rows is not None:
+            buf = torch.index_select(buf, 0, rows)
+        return [_typed(buf, s) for s in msg.specs]
+
+    # ---- kernels -----------------------------------------------------------------------------
+
+    def _kernel_fwd(self, q, k, v, cu_q, cu_k, max_q, max_k):
+        return kernels.varlen_attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, self.softmax_scale, True, self.backend)
+
+    def _kernel_bwd(self, do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k):
+        return kernels.varlen_attn_backward(
+            do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, self.softmax_scale, True, self.backend
+        )
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    def dispatch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Home: start sending the exchanged tasks' Q rows [T, Hq, D] and K/V rows [kv_rows, Hkv, D]."""
+        m = self.meta
+        self._home = (q, k, v)
+        self._msgs = (
+            self._send((q,), m.q_send_idx, m.q_send_splits, m.q_recv_splits),
+            self._send((k, v), m.kv_send_idx, m.kv_send_splits, m.kv_recv_splits),
+        )
+
+    def serve(self) -> None:
+        """Server: the in-place tasks, then the received ones; start returning O and LSE."""
+        m = self.meta
+        q, k, v = self._home
+        if m.local_tasks:
+            out, lse = self._kernel_fwd(q, k, v, m.local_cu_q, m.local_cu_k, m.local_max_q, m.local_max_k)
+        else:  # every row is served elsewhere; land() writes them all
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        q_msg, kv_msg = self._msgs
+        (qs,) = self._parts(q_msg, m.rows("q_recv_to_task"))
+        ks, vs = self._views(kv_msg, m.rows("kv_task_idx"))
+        if m.num_tasks:
+            o, l = self._kernel_fwd(qs, ks, vs, m.cu_seqlens_q, m.cu_seqlens_k, m.max_seqlen_q, m.max_seqlen_k)
+        else:
+            o, l = qs, qs.new_empty((qs.shape[1], 0), dtype=torch.float32)
+        if self.mode == "keep":
+            self.stash = (qs, ks, vs, o, l)
+        self._msgs = (self._send((o, l.t()), m.rows("q_task_to_recv"), m.q_recv_splits, m.q_send_splits),)
+        self._home, self._result = (), (out, lse)
+
+    def land(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Home: wait for the returned rows; ``out`` [T, Hq, D] (q's dtype), ``lse`` [Hq, T] fp32."""
+        m = self.meta
+        out, lse = self._result
+        o, l = self._views(self._msgs[0], None)
+        if o.shape[0]:
+            out.index_copy_(0, m.q_send_idx, o)
+            lse.t().index_copy_(0, m.q_send_idx, l)
+        self._msgs, self._result = (), ()
+        return out, lse
+
+    # ---- backward (mirrored) -----------------------------------------------------------------
+
+    def dispatch_bwd(self, dout, q, k, v, out, lse) -> None:
+        """Home: start sending what the servers' backward needs (see the module docstring)."""
+        m = self.meta
+        self._home = (dout, q, k, v, out, lse)
+        if self.mode == "keep":
+            self._msgs = (self._send((dout,), m.q_send_idx, m.q_send_splits, m.q_recv_splits), None)
+        else:
+            self._msgs = (
+                self._send((q, out, dout, lse.t()), m.q_send_idx, m.q_send_splits, m.q_recv_splits),
+                self._send((k, v), m.kv_send_idx, m.kv_send_splits, m.kv_recv_splits),
+            )
+
+    def serve_bwd(self) -> None:
+        """Server: the in-place backward, then the received tasks'; start returning dQ and dK/dV."""
+        m = self.meta
+        dout, q, k, v, out, lse = self._home
+        if m.local_tasks:
+            dq, dk, dv = self._kernel_bwd(
+                dout, q, k, v, out, lse, m.local_cu_q, m.local_cu_k, m.local_max_q, m.local_max_k
+            )
+        else:
+            dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
+            dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+        q_msg, kv_msg = self._msgs
+        rows = m.rows("q_recv_to_task")
+        if self.mode == "keep":
+            qs, ks, vs, o, l = self.stash
+            self.stash = ()
+            (do,) = self._parts(q_msg, rows)
+        else:
+            qs, o, do, lt = self._parts(q_msg, rows)
+            l = lt.t().contiguous()
+            ks, vs = self._views(kv_msg, m.rows("kv_task_idx"))
+        if m.num_tasks:
+            dqs, dks, dvs = self._kernel_bwd(
+                do, qs, ks, vs, o, l, m.cu_seqlens_q, m.cu_seqlens_k, m.max_seqlen_q, m.max_seqlen_k
+            )
+            dks, dvs = self._sum_replicas(dks), self._sum_replicas(dvs)
+        else:
+            dqs = qs
+            dks = dvs = k.new_empty((m.kv_recv_rows, *k.shape[1:]))
+        self._msgs = (
+            self._send((dqs,), m.rows("q_task_to_recv"), m.q_recv_splits, m.q_send_splits),
+            self._send((dks, dvs), None, m.kv_recv_splits, m.kv_send_splits),
+        )
+        self._home, self._result = (), (dq, dk, dv)
+
+    def _sum_replicas(self, g: torch.Tensor) -> torch.Tensor:
+        """Kernel dK or dV rows [Nk, Hkv, D] summed (fp32) over replicas into received rows [Nkv, Hkv, D]."""
+        m = self.meta
+        if "kv_task_idx" in m.identity:  # every received row used by exactly one task
+            return g
+        acc = g.new_zeros((m.kv_recv_rows, *g.shape[1:]), dtype=torch.promote_types(g.dtype, torch.float32))
+        return acc.index_add_(0, m.kv_task_idx, g.to(acc.dtype)).to(g.dtype)
+
+    def land_bwd(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Home: wait; ``dq`` [T, Hq, D], ``dk``, ``dv`` [kv_rows, Hkv, D], in the inputs' dtype."""
+        m = self.meta
+        dq, dk, dv = self._result
+        dq_msg, dkv_msg = self._msgs
+        (g,) = self._views(dq_msg, None)
+        if g.shape[0]:
+            dq.index_copy_(0, m.q_send_idx, g)
+        gk, gv = self._views(dkv_msg, None)
+        if gk.shape[0]:
+            _add_rows(dk, m, gk)
+            _add_rows(dv, m, gv)
+        self._msgs, self._result = (), ()
+        return dq, dk, dv
+
+
+def _add_rows(dst: torch.Tensor, m: DispatchMeta, src: torch.Tensor) -> None:
+    """``dst[kv_send_idx] += src`` (a row may repeat), summed in fp32 for 16-bit ``dst``."""
+    if dst.element_size() >= 4:
+        dst.index_add_(0, m.kv_send_idx, src)
+        return
+    acc = torch.zeros((m.kv_back_rows.numel(), *dst.shape[1:]), dtype=torch.float32, device=dst.device)
+    acc.index_add_(0, m.kv_back_inv, src.float())
+    acc += dst.index_select(0, m.kv_back_rows)
+    dst.index_copy_(0, m.kv_back_rows, acc.to(dst.dtype))
