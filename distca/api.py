@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -51,12 +52,17 @@ class DispatchPlan:
     object or its ``handle`` (a tensor): a new plan each step does not recompile.
     """
 
-    plan: Plan
-    meta: DispatchMeta
+    plan: Plan | None
+    """None only with ``error`` (``verify="first_use"``)."""
+    meta: DispatchMeta | None
     """This rank's dispatch metadata (host)."""
     group: dist.ProcessGroup
     handle: torch.Tensor
     """int64 [1]: the key under which the op finds this plan."""
+    digest: int = 0
+    """The plan's digest, compared across the group before any data moves."""
+    error: str | None = None
+    """``verify="first_use"``: this rank's preparation error, raised on every rank at first use."""
     stats: ExchangeStats = field(default_factory=ExchangeStats)
     """Exchange wait time of every flight of this plan."""
     _device_meta: dict = field(default_factory=dict)
@@ -89,6 +95,7 @@ def prepare(
     context: tuple[tuple[int, int, int], ...] = (),
     policy: Policy = "distca",
     dispatch: DispatchMeta | None = None,
+    verify: Literal["now", "first_use"] = "now",
     **plan_kwargs,
 ) -> DispatchPlan:
     """Plan (if needed) and compile this rank's dispatch metadata. Call on every rank.
@@ -104,9 +111,12 @@ def prepare(
             one (:attr:`Layout.context`).
         dispatch: with a Plan, this rank's ``distca.dispatch.build_dispatch(plan, rank)``
             made ahead of time (e.g. in a planning thread); default: built here.
-
-    One small all-reduce checks that every rank has the same plan; raises ``ValueError``
-    on every rank if not.
+        verify: ``"now"``: one small all-reduce here checks that every rank has the same
+            plan and raises ``ValueError`` on every rank if not (or if any rank's input was
+            bad). ``"first_use"``: no collective here; the same check joins the agreement
+            that the first ``core_attention`` call of this plan runs anyway, before any data
+            moves (a training loop then pays no collective at step start, where ranks
+            arrive skewed), and an error of this rank is raised there, on every rank.
     """
     pg = resolve_group(group)
     R, rank = dist.get_world_size(pg), dist.get_rank(pg)
@@ -140,12 +150,22 @@ def prepare(
             p = make_plan(Layout(tuple(cu.tolist()), R, T, tuple(map(tuple, context))), policy, **plan_kwargs)
         except (ValueError, TypeError) as e:
             err, p = str(e), None
-    fields_ = {"cu_seqlens (plan digest)": int(p.digest()[:15], 16) if p is not None else 0}
-    agree(pg, torch.device("cpu"), err, fields_)
+    if verify not in ("now", "first_use"):
+        raise ValueError(f'verify must be "now" or "first_use", got {verify!r}')
+    digest = int(p.digest()[:15], 16) if p is not None else 0
+    if verify == "now":
+        agree(pg, torch.device("cpu"), err, _fields(digest))
     key = next(_IDS)
-    dp = DispatchPlan(p, dispatch if dispatch is not None else build_dispatch(p, rank), pg, torch.tensor([key]))
+    meta = None if err is not None else dispatch if dispatch is not None else build_dispatch(p, rank)
+    dp = DispatchPlan(p if err is None else None, meta, pg, torch.tensor([key]), digest=digest, error=err)
     _LIVE[key] = dp
     return dp
+
+
+def _fields(digest: int, sig: tuple | None = None, mode: str | None = None) -> dict[str, int]:
+    """What every rank of a CA group must agree on; the same fields in every agreement, so
+    that a rank in ``prepare`` and a rank in its first layer still pair up (and disagree)."""
+    return {"plan (cu_seqlens digest)": digest, "q, k, v shapes and dtype": fingerprint(sig), "mode": fingerprint(mode)}
 
 
 def _as_numpy(cu: torch.Tensor | np.ndarray | list[int] | tuple[int, ...]) -> np.ndarray:
@@ -340,22 +360,19 @@ def _verify(dp: DispatchPlan, q, k, v, cu_seqlens, mode: str) -> None:
     The full check (cu_seqlens against the plan: a host copy) and the all-reduce run on
     the first call per plan and input signature, i.e. once per step, not once per layer.
     """
-    lay = dp.plan.layout
     tensors = all(isinstance(x, torch.Tensor) for x in (q, k, v))
-    sig = (tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), mode) if tensors else None
-    first = sig not in dp._verified
-    cu = _as_numpy(cu_seqlens) if first and cu_seqlens is not None else None
-    err = _local_error(q, k, v, cu, lay.tokens_per_rank, lay.ranks, lay.kv_rows)
-    if err is None and cu is not None and (cu.size != lay.num_docs + 1 or np.any(cu != lay.cu_array)):
-        err = "cu_seqlens differ from the layout the plan was made for"
+    sig = (tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype)) if tensors else None
+    first = (sig, mode) not in dp._verified
+    err = dp.error
+    if err is None:
+        lay = dp.plan.layout
+        cu = _as_numpy(cu_seqlens) if first and cu_seqlens is not None else None
+        err = _local_error(q, k, v, cu, lay.tokens_per_rank, lay.ranks, lay.kv_rows)
+        if err is None and cu is not None and (cu.size != lay.num_docs + 1 or np.any(cu != lay.cu_array)):
+            err = "cu_seqlens differ from the layout the plan was made for"
     if err is not None or first:
-        agree(
-            dp.group,
-            q.device if tensors else torch.device("cpu"),
-            err,
-            {"T and head shapes": fingerprint(sig), "mode": fingerprint(mode)},
-        )
-        dp._verified.add(sig)
+        agree(dp.group, q.device if tensors else torch.device("cpu"), err, _fields(dp.digest, sig, mode))
+        dp._verified.add((sig, mode))
 
 
 def core_attention(

@@ -122,6 +122,10 @@ class CostModel:
     """Backward time / forward time (FlashAttention-style recompute)."""
     rect_s: float = 0.0
     """Seconds per query-key pair of the full q_len x kv_len rectangle (masked blocks computed anyway)."""
+    link_byte_s: float = 0.0
+    """Seconds of a server's step per CA byte it sends plus receives (transport and its copies,
+    what overlap does not hide); 0: moving is free. The ``distca`` planner keeps the colocated
+    plan when the modelled gain does not pay for the bytes (:func:`distca.plan`)."""
     source: str = ""
 
     def time(self, q_len, kv_len, pairs):
@@ -213,6 +217,11 @@ class Traffic:
     @property
     def total_bwd_bytes(self) -> int:
         return int(self.bwd.sum())
+
+    @property
+    def max_server_step_bytes(self) -> int:
+        """Max over ranks of forward plus backward bytes sent plus received."""
+        return int(self._sent_plus_recv(self.fwd + self.bwd).max()) if self.src.size else 0
 
 
 def _split_rows(lo: np.ndarray, hi: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -31,7 +31,7 @@ import numpy as np
 from distca.cost import MODEL_SHAPES, CostModel, Mode, ModelShape, Traffic, causal_pairs, load_cost_model, traffic
 from distca.layout import Layout, Segments
 
-__all__ = ["Plan", "Policy", "POLICIES", "plan"]
+__all__ = ["Plan", "Policy", "POLICIES", "move_gain", "plan"]
 
 Policy = Literal["distca", "greedy", "per_doc_cp", "colocated"]
 POLICIES: tuple[str, ...] = get_args(Policy)
@@ -173,6 +173,10 @@ def plan(
             rescaled to ``shape``; default ``"cpu"``.
         mode: ``"resend"`` or ``"keep"``, for the backward bytes.
 
+    ``distca`` returns the colocated plan (same policy name, nothing moves) when its own plan's
+    modelled gain does not pay for its bytes (:func:`move_gain`): it is never modelled slower
+    than colocated.
+
     Example:
         >>> from distca import Layout, plan
         >>> lay = Layout.from_doclens([4000, 300, 200, 500], ranks=2, tokens_per_rank=2500)
@@ -206,17 +210,32 @@ def plan(
         cols = _plan_greedy(layout, shape, tolerance)
     else:
         cols = _plan_distca(layout, cm, shape, tolerance, tolerance / 5.0, min_shard, capacity_bytes)
-    return _finalize(
-        layout,
-        policy,
-        *cols,
-        shape=shape,
-        cost_model=cm,
-        tolerance=float(tolerance),
-        min_shard=min_shard,
-        capacity_bytes=capacity_bytes,
-        mode=mode,
-    )
+    kw = dict(
+        shape=shape, cost_model=cm, tolerance=float(tolerance), min_shard=min_shard,
+        capacity_bytes=capacity_bytes, mode=mode,
+    )  # fmt: skip
+    p = _finalize(layout, policy, *cols, **kw)
+    if policy == "distca":
+        s = layout.segments
+        base = _finalize(layout, policy, s.doc, s.start, s.end, s.rank, **kw)
+        if move_gain(base, p) <= 0.0:
+            return base
+    return p
+
+
+def move_gain(base: Plan, p: Plan) -> float:
+    """Modelled seconds per layer that ``p`` saves over ``base`` (forward + backward of the slowest
+    server) minus what its bytes cost (``CostModel.link_byte_s`` per byte a server sends plus
+    receives, forward + backward, on the busiest link).
+
+    ``plan(..., "distca")`` returns the colocated plan unless this is positive for its own plan:
+    it is never modelled slower than colocated, and it keeps every row home when moving does
+    not pay.
+    """
+    cm = p.cost_model
+    gain = (float(base.loads.max()) - float(p.loads.max())) * (1.0 + cm.bwd_factor)
+    cost = cm.link_byte_s * (p.traffic.max_server_step_bytes - base.traffic.max_server_step_bytes)
+    return gain - cost
 
 
 def _resolve_shape(shape: ModelShape | str | None) -> ModelShape:

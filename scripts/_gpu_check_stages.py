@@ -368,6 +368,18 @@ def _op_attempt(backend: str, args, res: dict) -> bool:
             r["kernel_fwd_s"] = timed(lambda: varlen_attn_forward(q, k, v, *meta))
         r["op_fwdbwd_s"] = timed(op_fwdbwd)
         r["kernel_fwdbwd_s"] = timed(kernel_fwdbwd)
+        # What `bench_attention.py --overhead` (case group1) measures: the op against the bare
+        # kernel on the plan's own tasks, per layout (whole row, 256-token documents, a mix).
+        # Recorded only: the stage's pass/fail stays the correctness checks above.
+        try:
+            import bench_attention as ba
+
+            res["overhead"] = ba.overhead_rows(
+                tokens_per_rank=T, short_doc=256, heads=hq, kv_heads=hkv, head_dim=d, dtype=dt, device=dev,
+                repeats=args.repeats, backend=r["kernel_backend"], case="group1",
+            )  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - recorded (an op/kernel mismatch is an AssertionError)
+            res["overhead"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
         r["ok"] = bool(ok)
         return True
     finally:
@@ -377,7 +389,8 @@ def _op_attempt(backend: str, args, res: dict) -> bool:
 def stage_op(args) -> int:
     res: dict = {
         "what": "distca.prepare + distca.core_attention (resend, keep) on one GPU, process group of 1 rank, "
-        "bf16, against per-document causal SDPA (fp32)", "device": args.device,
+        "bf16, against per-document causal SDPA (fp32); overhead: the op against the bare kernel on its "
+        "tasks (bench_attention.py --overhead, group1; medians in s)", "device": args.device,
         "tokens": args.tokens, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
         "attempts": [],
     }  # fmt: skip
@@ -408,6 +421,16 @@ def stage_op(args) -> int:
     _write_json(args.out / "op_check.json", res)
     for a in res["attempts"]:
         print(json.dumps({k: v for k, v in a.items() if k != "checks"}))
+    if isinstance(res.get("overhead"), list):
+        for o in res["overhead"]:
+            ms = {k: o[k] * 1e3 for k in ("bare_fwd_s", "op_fwd_s", "bare_fwdbwd_s", "op_fwdbwd_s")}
+            print(
+                f"overhead {o['layout']:<6} ({o['docs']} docs): "
+                f"fwd {ms['bare_fwd_s']:.3f} -> {ms['op_fwd_s']:.3f} ms ({o['overhead_fwd_pct']:+.1f}%), "
+                f"fwd+bwd {ms['bare_fwdbwd_s']:.3f} -> {ms['op_fwdbwd_s']:.3f} ms ({o['overhead_fwdbwd_pct']:+.1f}%)"
+            )
+    elif "overhead" in res:
+        print(f"overhead: {res['overhead']}", file=sys.stderr)
     if "error" in res:
         print(res["error"], file=sys.stderr)
     if "note" in res:

@@ -26,6 +26,21 @@ documents) and a uniform one, and reports the slowest rank's time, forward and
 forward+backward (median over ``--repeats``):
 
     python scripts/bench_attention.py --dist --tokens-per-rank 8192 --repeats 5
+
+With ``--overhead`` it measures what ``distca.core_attention`` costs on top of the bare
+varlen kernel running exactly the plan's tasks (inputs pre-gathered into kernel order,
+untimed), forward and forward+backward, median over ``--repeats`` (default 5) after one
+warm-up; the op's output and gradients must match the kernel's or it raises. Layouts
+(``--tokens-per-rank`` T per rank, no document crossing a rank boundary): ``whole`` (one
+document per rank), ``short`` (``--short-doc``-token documents), ``mixed`` (lognormal
+lengths around T/8, fixed seed). Cases: ``group1``, one process, a 1-rank gloo group,
+the default policy; ``colocated``, ``--ranks`` spawned gloo processes (1 thread each) with
+``policy="colocated"``, reporting the slowest rank (on CUDA, one GPU per rank). About a
+minute on 2 CPU cores with the defaults:
+
+    python scripts/bench_attention.py --overhead                    # table, both cases
+    python scripts/bench_attention.py --overhead --case group1 --json
+    python scripts/bench_attention.py --overhead --device cuda --dtype bfloat16 --heads 32 --kv-heads 8 --head-dim 128
 """
 
 from __future__ import annotations
@@ -33,11 +48,18 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from distca.kernels import select_backend, varlen_attn_backward, varlen_attn_forward
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    import distca
 
 DEFAULT_SHARDS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -55,7 +77,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(map(str, DEFAULT_SHARDS)),
         help="comma-separated shard sizes (default: %(default)s)",
     )
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per case; the minimum is kept")
+    p.add_argument(
+        "--repeats", type=int, default=None,
+        help="timed runs per case; the minimum is kept (--dist, --overhead: the median; default 1, --overhead 5)",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     p.add_argument("--backend", default=None, help="cpu, flash_attn, torch_varlen (default: auto)")
     p.add_argument("--json", action="store_true", help="one JSON object per shard size per line")
@@ -66,7 +91,19 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     d.add_argument("--short-doc", type=int, default=256, help="length of the short documents")
     d.add_argument("--mode", default="resend", choices=("resend", "keep"))
     d.add_argument("--cost-model", default="cpu", help="planner time model (stored name or JSON path)")
+    o = p.add_argument_group("op overhead (--overhead; uses --tokens-per-rank, --short-doc, --ranks)")
+    o.add_argument("--overhead", action="store_true", help="core_attention against the bare kernel on its tasks")
+    o.add_argument(
+        "--case", default="all", choices=("all", "group1", "colocated"),
+        help="group1: 1-rank group, default policy; colocated: --ranks processes, colocated plans",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 5 if args.overhead else 1
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.dist and args.overhead:
+        p.error("--dist and --overhead are separate modes; pick one")
     args.kv_heads = args.kv_heads or args.heads
     args.shards = [int(s) for s in args.shards.split(",") if s]
     if args.heads % args.kv_heads:
@@ -310,8 +347,352 @@ def _print_dist(rows: list[dict]) -> None:
         )
 
 
+# ---- op overhead: core_attention against the bare kernel on the same tasks ------------------
+
+
+OVERHEAD_KEYS = (
+    "case", "layout", "ranks", "tokens_per_rank", "docs", "tasks", "policy", "backend", "dtype",
+    "bare_fwd_s", "op_fwd_s", "overhead_fwd_pct", "bare_fwdbwd_s", "op_fwdbwd_s", "overhead_fwdbwd_pct",
+    "slowest_rank_fwd", "slowest_rank_fwdbwd",
+)  # fmt: skip
+"""Keys of every row of :func:`overhead_rows` (times in seconds, medians; overheads in %)."""
+
+
+def _mixed_doc_lens(T: int, seed: int) -> list[int]:
+    """Document lengths summing to ``T``: lognormal around T/8 (sigma 1), at least 16 tokens but the last."""
+    rng = np.random.default_rng(seed)
+    lens: list[int] = []
+    while sum(lens) < T:
+        lens.append(int(np.clip(rng.lognormal(np.log(T / 8), 1.0), 16, T)))
+    lens[-1] -= sum(lens) - T  # stays >= 1: the sum was below T before the last draw
+    return lens
+
+
+def overhead_layouts(ranks: int, T: int, short: int) -> dict[str, list[int]]:
+    """Global cu_seqlens [0 ... ranks*T] per layout name; every document stays on one rank."""
+    per_rank = {
+        "whole": lambda r: [T],
+        "short": lambda r: [short] * (T // short) + ([T % short] if T % short else []),
+        "mixed": lambda r: _mixed_doc_lens(T, seed=r),  # a different mix on every rank
+    }
+    return {
+        name: [0] + np.cumsum([n for r in range(ranks) for n in lens(r)]).tolist()
+        for name, lens in per_rank.items()
+    }
+
+
+def _bare_tasks(dp: distca.DispatchPlan, rank: int) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """This rank's plan tasks as a bare kernel call on its own rows.
+
+    Returns ``q_idx`` [Nq] and ``k_idx`` [Nk] (int64 local rows, in kernel order) and
+    ``cu_q``, ``cu_k`` [n + 1]. A task (doc, q_start, q_end) reads queries
+    ``[s + q_start, s + q_end)`` and keys ``[s, s + q_end)``, ``s`` the document's start.
+    Raises ``ValueError`` unless every local query is served here from local keys
+    (the bare kernel has no exchange to compare with).
+    """
+    p = dp.plan
+    lay, T = p.layout, p.layout.tokens_per_rank
+    if lay.context:
+        raise ValueError("the overhead benchmark takes stand-alone layouts (no nano-batch context)")
+    tasks = p.server_tasks(rank)
+    starts = lay.cu_array[tasks[:, 0]] - rank * T  # document starts in local rows
+    q_idx = np.concatenate([np.arange(s + a, s + b) for s, (a, b) in zip(starts, tasks[:, 1:3])] or [[]])
+    k_idx = np.concatenate([np.arange(s, s + b) for s, b in zip(starts, tasks[:, 2])] or [[]])
+    if not (np.array_equal(np.sort(q_idx), np.arange(T)) and k_idx.size and 0 <= k_idx.min() and k_idx.max() < T):
+        raise ValueError(f"rank {rank}: the plan serves queries away from home or reads remote keys; "
+                         "use one rank or policy='colocated' with documents that stay on one rank")  # fmt: skip
+    cu_q = np.concatenate([[0], np.cumsum(tasks[:, 2] - tasks[:, 1])]).tolist()
+    cu_k = np.concatenate([[0], np.cumsum(tasks[:, 2])]).tolist()
+    return torch.from_numpy(q_idx.astype(np.int64)), torch.from_numpy(k_idx.astype(np.int64)), cu_q, cu_k
+
+
+def _assert_same(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Raise ``AssertionError`` unless the op's ``got`` matches the bare kernel's ``want``."""
+    if want.dtype in (torch.float32, torch.float64):
+        tol = {}  # the same kernel on the same tasks: equal up to summation order
+    else:
+        # 16-bit: flash-attn's dq accumulates with atomics (order varies run to run) and the op sums
+        # dK/dV replicas in fp32 before rounding, so allow a few ulps at the tensor's scale.
+        tol = {"rtol": 2.0**-6, "atol": 2.0**-7 * max(1.0, float(want.abs().max()))}
+    torch.testing.assert_close(got, want, **tol, msg=lambda m: f"op and bare kernel differ ({what}): {m}")
+
+
+def measure_overhead(
+    cu_seqlens: Sequence[int],
+    q: torch.Tensor,  # [T, Hq, D] this rank's rows of the group's stream
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    dout: torch.Tensor,  # [T, Hq, D]
+    *,
+    group: dist.ProcessGroup | None = None,
+    policy: str | None = None,
+    repeats: int = 5,
+    backend: str | None = None,
+) -> dict:
+    """``core_attention`` against the bare varlen kernel on the plan's own tasks; collective.
+
+    Plans ``cu_seqlens`` (global, 0 ... R*T) with ``distca.prepare`` (``policy`` None: its
+    default) on ``group`` (None: the world), then times, per phase (forward; forward +
+    ``backward(dout)``), the op and the bare kernel on pre-gathered inputs, interleaved, one
+    warm-up and ``repeats`` timed runs. The warm-up's outputs (and gradients) must agree, else
+    ``AssertionError``. Returns the slowest rank's medians in seconds (slowest by op time,
+    per phase) and the overheads ``100 * (op / bare - 1)`` in %; the same dict on every rank.
+    """
+    import torch.distributed as dist
+
+    import distca
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    device, T = q.device, q.shape[0]
+    backend = select_backend(device, backend)
+    scale = q.shape[-1] ** -0.5
+    cu_t = torch.tensor(cu_seqlens, dtype=torch.int32)
+    dp = distca.prepare(cu_t, group=group, **({"policy": policy} if policy is not None else {}))
+    q_idx, k_idx, cu_q, cu_k = _bare_tasks(dp, rank)
+    q_idx, k_idx = q_idx.to(device), k_idx.to(device)
+    meta = (
+        torch.tensor(cu_q, dtype=torch.int32, device=device),
+        torch.tensor(cu_k, dtype=torch.int32, device=device),
+        int(np.diff(cu_q).max()), int(np.diff(cu_k).max()), scale, True, backend,
+    )  # fmt: skip
+    # The bare kernel's inputs in kernel order, gathered once outside the timings: what the op
+    # adds on top (its gathers and exchanges, checks, autograd, copies) is the overhead measured.
+    qb, dob = q.index_select(0, q_idx), dout.index_select(0, q_idx)
+    kb, vb = k.index_select(0, k_idx), v.index_select(0, k_idx)
+
+    def to_home(xs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """Bare (out, dq, dk, dv) in kernel order -> local rows; dK/dV summed over replicas in fp32."""
+        res = [torch.empty((T, *xs[0].shape[1:]), dtype=xs[0].dtype, device=device).index_copy_(0, q_idx, xs[0])]
+        if len(xs) > 1:
+            res.append(torch.empty_like(q).index_copy_(0, q_idx, xs[1]))
+            for g in xs[2:]:
+                acc = torch.zeros((T, *g.shape[1:]), dtype=torch.float32, device=device)
+                res.append(acc.index_add_(0, k_idx, g.float()).to(g.dtype))
+        return res
+
+    def bare_fwd() -> tuple[torch.Tensor, ...]:
+        return (varlen_attn_forward(qb, kb, vb, *meta)[0],)
+
+    def bare_fwdbwd() -> tuple[torch.Tensor, ...]:
+        o, lse = varlen_attn_forward(qb, kb, vb, *meta)
+        return (o, *varlen_attn_backward(dob, qb, kb, vb, o, lse, *meta))
+
+    def op_fwd() -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            return (distca.core_attention(q, k, v, cu_t, group=group, plan=dp, backend=backend),)
+
+    def op_fwdbwd() -> tuple[torch.Tensor, ...]:
+        qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+        out = distca.core_attention(qq, kk, vv, cu_t, group=group, plan=dp, backend=backend)
+        out.backward(dout)
+        return (out.detach(), qq.grad, kk.grad, vv.grad)
+
+    def timed(fn: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[float, tuple[torch.Tensor, ...]]:
+        if world > 1:
+            dist.barrier(group)  # start together: the op's collectives would wait for late ranks
+        _sync(device)
+        t0 = time.perf_counter()
+        res = fn()
+        _sync(device)
+        return time.perf_counter() - t0, res
+
+    mine: dict[str, float] = {}
+    for phase, bare, op in (("fwd", bare_fwd, op_fwd), ("fwdbwd", bare_fwdbwd, op_fwdbwd)):
+        times: dict[str, list[float]] = {"bare": [], "op": []}
+        for it in range(repeats + 1):
+            # Alternate which runs first, so neither always finds the other's caches (or clocks).
+            for who, fn in (("bare", bare), ("op", op)) if it % 2 == 0 else (("op", op), ("bare", bare)):
+                dt, res = timed(fn)
+                if it:  # the first round warms up (and compiles, plans, verifies)
+                    times[who].append(dt)
+                elif who == "bare":
+                    want = to_home(res)
+                else:
+                    got = res
+            if it == 0:
+                for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+                    _assert_same(f"{phase} {name}, rank {rank}", a, b)
+                del got, want, res
+        mine[f"bare_{phase}_s"] = float(np.median(times["bare"]))
+        mine[f"op_{phase}_s"] = float(np.median(times["op"]))
+    ranks = [None] * world
+    if world > 1:
+        dist.all_gather_object(ranks, mine, group=group)
+    else:
+        ranks = [mine]
+    row = {
+        "ranks": world, "tokens_per_rank": T, "docs": len(cu_seqlens) - 1, "tasks": dp.plan.num_tasks,
+        "policy": dp.plan.policy, "backend": backend, "dtype": str(q.dtype).removeprefix("torch."),
+    }  # fmt: skip
+    for phase in ("fwd", "fwdbwd"):
+        slow = max(range(world), key=lambda r: ranks[r][f"op_{phase}_s"])
+        bare_s, op_s = ranks[slow][f"bare_{phase}_s"], ranks[slow][f"op_{phase}_s"]
+        row[f"bare_{phase}_s"], row[f"op_{phase}_s"] = bare_s, op_s
+        row[f"overhead_{phase}_pct"] = 100.0 * (op_s / bare_s - 1.0)
+        row[f"slowest_rank_{phase}"] = slow
+    return row
+
+
+def overhead_rows(
+    *,
+    group: dist.ProcessGroup | None = None,
+    tokens_per_rank: int,
+    short_doc: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    repeats: int,
+    policy: str | None = None,
+    backend: str | None = None,
+    case: str = "group1",
+) -> list[dict]:
+    """:func:`measure_overhead` on every :func:`overhead_layouts` layout of ``group``; collective.
+
+    Random q, k, v, dout (seeded by rank) of ``tokens_per_rank`` rows on ``device``; rows
+    have :data:`OVERHEAD_KEYS`, ``case`` naming the setting.
+    """
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = torch.device(device)
+    g = torch.Generator().manual_seed(rank)
+    T = tokens_per_rank
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    q, dout = randn(T, heads, head_dim), randn(T, heads, head_dim)
+    k, v = randn(T, kv_heads, head_dim), randn(T, kv_heads, head_dim)
+    rows = []
+    for name, cu in overhead_layouts(world, T, short_doc).items():
+        r = measure_overhead(cu, q, k, v, dout, group=group, policy=policy, repeats=repeats, backend=backend)
+        rows.append({"case": case, "layout": name, **r})
+    return rows
+
+
+def _overhead_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "tokens_per_rank": args.tokens_per_rank, "short_doc": args.short_doc, "heads": args.heads,
+        "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": getattr(torch, args.dtype),
+        "repeats": args.repeats, "backend": args.backend,
+    }  # fmt: skip
+
+
+def _overhead_worker(rank: int, world: int, init: str, args: argparse.Namespace, queue) -> None:
+    """One spawned rank of the ``colocated`` case; puts ("ok", rows) or ("error", traceback)."""
+    import os
+    import traceback
+    from datetime import timedelta
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    try:
+        device = torch.device(args.device)
+        if device.type == "cuda":  # one GPU per rank: ranks sharing a GPU would time each other
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=600))
+        rows = overhead_rows(**_overhead_kwargs(args), device=device, policy="colocated", case="colocated")
+        dist.barrier()  # before destroy: avoids gloo teardown aborts
+        dist.destroy_process_group()
+        queue.put((rank, "ok", rows))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_overhead(args: argparse.Namespace) -> list[dict]:
+    """Rows of the ``--overhead`` mode: case ``group1`` in this process, ``colocated`` on spawned ranks."""
+    import os
+    import queue as queue_mod
+    import sys
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="distca_overhead_") as tmp:
+        if args.case in ("all", "group1"):
+            # A file rendezvous: no port to pick, so no race with other processes for one.
+            owned = not dist.is_initialized()
+            if owned:
+                dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'g1')}", rank=0, world_size=1)
+            elif dist.get_world_size() != 1:
+                raise RuntimeError("--overhead group1 runs in a process of its own (a world of 1 rank)")
+            try:
+                rows += overhead_rows(**_overhead_kwargs(args), device=args.device, case="group1")
+            finally:
+                if owned:
+                    dist.destroy_process_group()
+        if args.case in ("all", "colocated"):
+            if torch.device(args.device).type == "cuda" and torch.cuda.device_count() < args.ranks:
+                print(f"colocated case skipped: it needs one GPU per rank ({args.ranks}), "
+                      f"found {torch.cuda.device_count()}", file=sys.stderr)  # fmt: skip
+                return rows
+            ctx = mp.get_context("spawn")
+            queue = ctx.Queue()
+            init = f"file://{os.path.join(tmp, 'coloc')}"
+            worker = _overhead_worker
+            procs = [ctx.Process(target=worker, args=(r, args.ranks, init, args, queue)) for r in range(args.ranks)]
+            for p in procs:
+                p.start()
+            results: dict[int, tuple[str, object]] = {}
+            deadline = time.monotonic() + 1800
+            while len(results) < args.ranks and time.monotonic() < deadline:
+                try:
+                    r, status, payload = queue.get(timeout=1.0)
+                    results[r] = (status, payload)
+                except queue_mod.Empty:
+                    if all(not p.is_alive() for p in procs) and queue.empty():
+                        break
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+            errors = "".join(f"\n--- rank {r} ---\n{v}" for r, (s, v) in sorted(results.items()) if s == "error")
+            missing = [r for r in range(args.ranks) if r not in results]
+            if errors or missing:
+                gone = f"\nranks {missing} gave no result (crash or hang)" if missing else ""
+                raise RuntimeError(f"colocated case failed{errors}{gone}")
+            rows += results[0][1]
+    return rows
+
+
+def _print_overhead(args: argparse.Namespace, rows: list[dict]) -> None:
+    print(
+        f"device={args.device} backend={select_backend(args.device, args.backend)} dtype={args.dtype} "
+        f"heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim} "
+        f"tokens_per_rank={args.tokens_per_rank} short_doc={args.short_doc} threads={torch.get_num_threads()} "
+        f"repeats={args.repeats} (median; colocated: slowest rank, 1 thread each)"
+    )
+    print(
+        f"{'case':<9} {'layout':<6} {'ranks':>5} {'docs':>5} {'tasks':>5} "
+        f"{'bare fwd':>9} {'op fwd':>9} {'ovh fwd':>8} {'bare f+b':>9} {'op f+b':>9} {'ovh f+b':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r['case']:<9} {r['layout']:<6} {r['ranks']:>5} {r['docs']:>5} {r['tasks']:>5} "
+            f"{r['bare_fwd_s']:>9.4f} {r['op_fwd_s']:>9.4f} {r['overhead_fwd_pct']:>7.1f}% "
+            f"{r['bare_fwdbwd_s']:>9.4f} {r['op_fwdbwd_s']:>9.4f} {r['overhead_fwdbwd_pct']:>7.1f}%"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
+    if args.overhead:
+        rows = run_overhead(args)
+        if args.json:
+            for row in rows:
+                print(json.dumps(row))
+        else:
+            _print_overhead(args, rows)
+        return
     if args.dist:
         rows = run_dist(args)
         if args.json:

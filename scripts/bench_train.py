@@ -24,7 +24,7 @@ every configuration computes the same attention as without nano-batches:
     uniform   512-token documents everywhere
 
 Per step and rank it records the step time (the trainer's), time in the attention
-kernels, host time blocked on CA exchanges (``distca.pingpong.exposed_seconds``), and
+kernels, host time blocked on CA exchanges (``DispatchPlan.stats``), and
 peak memory (``VmHWM`` reset before every step). The first cycle measures memory, with
 glibc's mmap threshold pinned from the start so freed tensors leave the resident set; the
 second is warm-up with a large threshold (timed cycles pay no page-fault tax); each of the
@@ -226,13 +226,18 @@ def _worker(args: argparse.Namespace) -> None:
     rows: list[dict] = []
 
     class BenchTrainer(tt.CoreAttentionTrainer):
-        def post_dataloading_process(self, input_dict, labels):
+        def _configure(self) -> str:
+            """Set this step's configuration before its batch is drawn (and planned)."""
             cycle, pos = divmod(self.step - 1, len(configs))
             name = configs[(pos + cycle) % len(configs)]  # rotated per cycle: no config always goes first
             for k, v in CONFIGS[name].items():
                 setattr(self.ca.cfg, k, (args.nano_batches == 2) if v is None else v)
+            return name
+
+        def post_dataloading_process(self, input_dict, labels):
             out = super().post_dataloading_process(input_dict, labels)
-            plans = [p.plan for p in self.ca.plans]
+            name = self._config
+            plans = [p.plan for p in self._step_plans[-1].plans]
             kw = dict(shape=plans[0].shape, cost_model=plans[0].cost_model)
             self._bench = {
                 "config": name,
@@ -252,6 +257,7 @@ def _worker(args: argparse.Namespace) -> None:
                     f.write("5")
             except OSError:
                 pass
+            self._config = self._configure()
             base = rss("VmRSS")
             kt["fwd"] = kt["bwd"] = 0.0
             profiled = bool(args.profile) and self.step > total_steps - len(configs)

@@ -33,7 +33,8 @@ def seed_ckpt(titan_dir):
 
 @pytest.fixture(scope="session")
 def two(titan_dir, seed_ckpt):
-    """CAD on 2 processes, eager, no nano-batches; a full checkpoint at step 5 (for the resume test)."""
+    """CAD on 2 processes, eager, no nano-batches; a full checkpoint at step 5 (for the resume test);
+    torchtitan's validator at steps 1, 5 and 10."""
     import test_torchtitan_ext as tt
 
-    return tt._from_seed(2, titan_dir, seed_ckpt, "two", "--checkpoint.interval", "5")
+    return tt._from_seed(2, titan_dir, seed_ckpt, "two", "--checkpoint.interval", "5", *tt._validation(2))

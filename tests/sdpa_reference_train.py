@@ -17,13 +17,19 @@ from torchtitan_ext import _compat
 
 _compat.apply()  # before torchtitan is imported
 
+import dataclasses  # noqa: E402
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torchtitan.protocols.model_converter import register_model_converter  # noqa: E402
 from torchtitan.train import Trainer, main  # noqa: E402
 
-from torchtitan_ext.train import CoreAttentionTrainer, register_train_spec  # noqa: E402
+from torchtitan.components.validate import Validator  # noqa: E402
+from torchtitan.protocols import train_spec as ts  # noqa: E402
+
+from torchtitan_ext.train import TRAIN_SPEC, CoreAttentionTrainer, register_train_spec  # noqa: E402
+from torchtitan_ext.validate import CAValidator, pop_layout  # noqa: E402
 
 
 class StepMask:
@@ -80,12 +86,28 @@ class ReferenceTrainer(CoreAttentionTrainer):
 
     def post_dataloading_process(self, input_dict, labels):
         input_dict = dict(input_dict)
-        self.step_mask.set(input_dict.pop("cu_seqlens"), input_dict["input"].shape[1])
+        (cu,), _ = pop_layout(input_dict)
+        pop_layout(input_dict, "next_")
+        self.step_mask.set(cu, input_dict["input"].shape[1])
         # torchtitan's own hook: "positions" goes to llama3's forward(tokens, positions=...).
         return Trainer.post_dataloading_process(self, input_dict, labels)
+
+
+class ReferenceValidator(CAValidator):
+    """The CA validator's loader (one window per step, in one row), validated with the block-causal mask."""
+
+    def post_dataloading_process(self, input_dict, labels, model_parts):
+        input_dict = dict(input_dict)
+        (cu,), _ = pop_layout(input_dict)
+        pop_layout(input_dict, "next_")
+        mask = next(m.step for p in model_parts for m in p.modules() if isinstance(m, BlockCausalSDPA))
+        mask.set(cu, input_dict["input"].shape[1])
+        return Validator.post_dataloading_process(self, input_dict, labels, model_parts)
 
 
 if __name__ == "__main__":
     register_model_converter(SDPAReferenceConverter, "sdpa_reference")
     register_train_spec()
+    spec = ts.get_train_spec(TRAIN_SPEC)
+    ts._extra_train_specs[TRAIN_SPEC] = dataclasses.replace(spec, build_validator_fn=ReferenceValidator)
     main(ReferenceTrainer)

@@ -246,3 +246,42 @@ def _opcheck_worker(rank, world):
 @pytest.mark.slow
 def test_forward_op_opcheck_and_real_strides():
     assert all(len(c) == 3 for c in run_workers(_opcheck_worker, 2, timeout=180))
+
+
+def _lifetime_worker(rank, world):
+    """keep mode stashes only for a backward; a plan lives exactly as long as its owner's reference."""
+    import gc
+
+    import distca
+    from distca import api
+
+    T, cu = 32, [0, 40, 64]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(T, h, 8, generator=g) for h in (4, 2, 2))
+    dp = distca.prepare(cu, policy="per_doc_cp", min_shard=4)  # the first document crosses ranks: rows move
+    handle = dp.handle
+    with torch.no_grad():
+        distca.core_attention(q, k, v, cu, plan=dp, mode="keep")
+    no_grad = len(dp._stash)
+    qq = q.clone().requires_grad_()
+    out = distca.core_attention(qq, k, v, cu, plan=dp, mode="keep")
+    with_grad = len(dp._stash)
+    out.sum().backward()
+    after_bwd = len(dp._stash)
+    key = int(handle)
+    del dp, out
+    gc.collect()
+    freed = key not in api._LIVE
+    try:
+        torch.ops.distca.core_attention_fwd(torch.zeros(1, dtype=torch.int64), q, k, v, handle, 0.3, "resend", "cpu", False)
+        err = ""
+    except RuntimeError as e:
+        err = str(e)
+    return no_grad, with_grad, after_bwd, freed, err
+
+
+@pytest.mark.slow
+def test_keep_mode_stashes_only_for_backward_and_plans_are_freed_with_their_owner():
+    for no_grad, with_grad, after_bwd, freed, err in run_workers(_lifetime_worker, 2, timeout=120):
+        assert (no_grad, with_grad, after_bwd) == (0, 1, 0)
+        assert freed and "names no live DispatchPlan" in err, err

@@ -172,6 +172,33 @@ def test_nano_batches_keep_documents_whole_and_resume():
         CAPackedDataset(stream, group=0, ca_rank=0, ca_degree=R, seq_len=63, nano_batches=2)
 
 
+@pytest.mark.parametrize("nano", [1, 2])
+def test_items_carry_the_next_layout_without_moving_the_state(nano):
+    """Every item holds the next item's layout keys (``next_*``) for planning ahead; the
+    checkpointed state is the one after this item, so a resume draws the same next item."""
+    from torchtitan_ext.data import LAYOUT_KEYS
+
+    stream = ListStream([50, 7, 130, 3, 90, 11, 300])
+    ds = CAPackedDataset(stream, group=0, ca_rank=1, ca_degree=2, seq_len=64, nano_batches=nano)
+    it = iter(ds)
+    prev, states = None, []
+    for _ in range(4):
+        d, _ = next(it)
+        keys = [k for k in LAYOUT_KEYS if k in d]
+        assert len(keys) == (1 if nano == 1 else 3) and all(f"next_{k}" in d for k in keys)
+        if prev is not None:
+            for k in keys:
+                assert torch.equal(prev[f"next_{k}"], d[k]), k
+        prev = d
+        states.append(ds.state_dict())
+    resumed = CAPackedDataset(stream, group=0, ca_rank=1, ca_degree=2, seq_len=64, nano_batches=nano)
+    resumed.load_state_dict(states[1])
+    d2, _ = next(iter(resumed))
+    fresh = iter(CAPackedDataset(stream, group=0, ca_rank=1, ca_degree=2, seq_len=64, nano_batches=nano))
+    want = [next(fresh)[0] for _ in range(3)][2]
+    assert d2.keys() == want.keys() and all(torch.equal(d2[k], want[k]) for k in want)
+
+
 # ---- sources -----------------------------------------------------------------------------------
 
 

@@ -168,3 +168,27 @@ def test_pack_unpack_round_trip(n, parts, gather, seed):
         want = x if rows is None else x[rows]
         want = want if back is None else want[back]
         assert y.dtype == x.dtype and y.is_contiguous() and torch.equal(y, want)
+
+
+@settings(max_examples=20)
+@given(lay=layouts(max_ranks=4, max_tokens=64))
+def test_metadata_is_one_buffer(lay):
+    """Every index field is a view of ``flat``, so moving the metadata is one transfer; re-pointed
+    at a copy of ``flat`` (what ``to(device)`` does) the fields read the same values."""
+    import dataclasses
+
+    from distca.dispatch import _CU_FIELDS, _INDEX_FIELDS, _views
+
+    p = plan(lay, "distca", min_shard=4)
+    for r in range(lay.ranks):
+        m = build_dispatch(p, r)
+        base, end = m.flat.data_ptr(), m.flat.data_ptr() + m.flat.numel() * 8
+        for name in (*_INDEX_FIELDS, *_CU_FIELDS):
+            t = getattr(m, name)
+            assert t.numel() == 0 or base <= t.data_ptr() < end, name
+        copy = m.flat.clone()
+        moved = dataclasses.replace(m, flat=copy, **_views(m, copy))
+        for name in (*_INDEX_FIELDS, *_CU_FIELDS):
+            t = getattr(moved, name)
+            assert torch.equal(t, getattr(m, name)), name
+            assert t.numel() == 0 or t.untyped_storage().data_ptr() == copy.untyped_storage().data_ptr(), name

@@ -194,7 +194,7 @@ def test_compat_refuses_late_import():
 def _module_worker(rank, world, T, cu):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchtitan_ext.converter import CoreAttentionModule, StepContext
+    from torchtitan_ext.converter import CAPlanner, CoreAttentionModule
 
     torch.manual_seed(0)
     Hq, Hkv, D = 4, 2, 16
@@ -202,11 +202,13 @@ def _module_worker(rank, world, T, cu):
     k_all = torch.randn(1, Hkv, world * T, D, dtype=torch.float32)
     v_all = torch.randn(1, Hkv, world * T, D, dtype=torch.float32)
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ca_outer", "ca"))
-    ctx = StepContext(cfg=CoreAttention(enable=True), mesh=mesh, degree=world)
-    ctx.prepare(torch.tensor(cu))
+    cfg = CoreAttention(enable=True)
+    planner = CAPlanner(cfg=cfg, mesh=mesh, degree=world, rank=rank)
+    step = planner.bind(planner.plan([torch.tensor(cu)]))  # what the model gets as attention_masks
     sl = slice(rank * T, (rank + 1) * T)
     q, k, v = (x[:, :, sl].clone().requires_grad_() for x in (q_all, k_all, v_all))
-    out = CoreAttentionModule(ctx)(q, k, v, enable_gqa=True)  # torchtitan layout (1, H, T, D)
+    out = CoreAttentionModule(cfg)(*(x[0].transpose(0, 1) for x in (q, k, v)), step)  # [T, H, D]
+    out = out.transpose(0, 1)[None]  # torchtitan layout (1, H, T, D)
     out.square().sum().backward()
 
     # Reference: per-document causal SDPA over the whole stream, GQA by repeating KV heads.
@@ -222,12 +224,12 @@ def _module_worker(rank, world, T, cu):
     )
     # Every rank's loss is the square-sum of its own rows, so the group's total loss is this.
     ref.square().sum().backward()
-    stats, fwd_s, bwd_s = ctx.pop_stats()
+    stats = step.stats
     return (
         (out - ref[:, :, sl]).abs().max().item(),
         max((a.grad[:, :, sl] - b.grad).abs().max().item() for a, b in ((qa, q), (ka, k), (va, v))),
         stats[0].imbalance <= stats[0].imbalance_colocated + 1e-12,
-        fwd_s > 0 and bwd_s > 0,
+        [kind for kind, *_ in step.attn_events] == ["fwd", "bwd"] and step.attention_seconds() is not None,
     )
 
 
@@ -256,6 +258,14 @@ _CA = re.compile(r"ca step\s+(\d+)\s+imbalance ([0-9.]+) \(colocated\) -> ([0-9.
 
 
 _LAUNCHER = ("-m", "torchtitan_ext.train")
+
+
+def _validation(nproc: int) -> list[str]:
+    """torchtitan's validator at steps 1, 5 and 10, 2 batches each, on the same 1024-token windows."""
+    return [
+        "--validation.enable", "--validation.dataset", "synthetic_pretrain", "--validation.freq", "5",
+        "--validation.steps", "2", "--validation.seq_len", str(_WINDOW // nproc), "--validation.local_batch_size", "1",
+    ]  # fmt: skip
 _SDPA_LAUNCHER = (str(ROOT / "tests/sdpa_reference_train.py"),)  # test-only: one process, plain SDPA
 
 
@@ -314,7 +324,7 @@ def sdpa(titan_dir, seed_ckpt):
     planner or kernels), RoPE by the loader's in-document positions."""
     return _from_seed(
         1, titan_dir, seed_ckpt, "sdpa", "--core_attention.no-enable", "--model.converters", "sdpa_reference",
-        launcher=_SDPA_LAUNCHER,
+        *_validation(1), launcher=_SDPA_LAUNCHER,
     )  # fmt: skip
 
 
@@ -389,6 +399,18 @@ def test_loss_parity_with_sdpa_reference(sdpa, two, four, compiled):
         assert _losses(run) == pytest.approx(ref, rel=1e-4), (_losses(run), ref)
         gn, gn_ref = (list(r[1]["grad_norm"].values()) for r in (run, sdpa))
         assert gn == pytest.approx(gn_ref, rel=1e-3), (gn, gn_ref)
+
+
+@pytest.mark.slow
+def test_validation_plans_its_batches_and_matches_sdpa(sdpa, two):
+    """torchtitan's validator with CAD on (2 processes): each validation batch is planned like a
+    training batch (a batch without its plan raises) and the validation losses equal the
+    block-causal SDPA reference's on the same windows (attention across documents would move
+    them by ~2.5e-4 relative, see the parity test above)."""
+    ca, ref = (run[1]["validation_metrics/loss"] for run in (two, sdpa))
+    assert sorted(ca) == sorted(ref) == [1, 5, 10]
+    for s in ca:
+        assert ca[s] == pytest.approx(ref[s], rel=2e-5), (s, ca[s], ref[s])
 
 
 @pytest.mark.slow
@@ -518,16 +540,21 @@ def _capacity_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     from distca import MODEL_SHAPES, load_cost_model
-    from torchtitan_ext.converter import StepContext
+    import distca
+    from torchtitan_ext.converter import CAPlanner
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ca_outer", "ca"))
     out = []
     for mib in (-1.0, 16.0, 1e-4):
-        ctx = StepContext(cfg=CoreAttention(enable=True, capacity_mib=mib), mesh=mesh, degree=world)
-        ctx.shape, ctx.cost_model = MODEL_SHAPES["debug"], load_cost_model("cpu")
-        try:
-            (dp,) = ctx.prepare(torch.tensor([0, 2000, 2048]))
-            out.append(dp.plan.capacity_bytes)
+        pl = CAPlanner(
+            cfg=CoreAttention(enable=True, capacity_mib=mib), mesh=mesh, degree=world, rank=rank,
+            shape=MODEL_SHAPES["debug"], cost_model=load_cost_model("cpu"),
+        )  # fmt: skip
+        planned = pl.plan([torch.tensor([0, 2000, 2048])])
+        step = pl.bind(planned)
+        try:  # a planning error on any rank is raised on every rank, at the plan's first use
+            distca.core_attention(*(torch.zeros(1024, h, 16) for h in (16, 16, 16)), None, plan=step.plans[0])
+            out.append(step.plans[0].plan.capacity_bytes)
         except ValueError as e:
             out.append(str(e))
     return out

@@ -15,7 +15,8 @@ What it does (on the meta-device model, before FSDP/AC/compile are applied):
   tensor parallelism); each group shares one token stream;
 - replaces every layer's ``attention.inner_attention`` (torchtitan's SDPA wrapper)
   with :class:`CoreAttentionModule`, which calls ``distca.core_attention`` on this
-  rank's ``T`` rows with the step's plan;
+  rank's ``T`` rows with the micro-batch's plan, and that layer's ``Attention.forward``
+  with the same projections and RoPE that pass the plan (``attention_masks``) on;
 - makes the RoPE table long enough for in-document positions: a document can
   span the whole group, so positions go up to ``degree * seq_len - 1``.
 
@@ -33,9 +34,12 @@ positions=...)`` already indexes ``freqs_cis`` by a ``positions`` tensor of
 shape [1, T]; the data loader yields in-document ``positions`` and the trainer
 passes them through unchanged, so no model code is wrapped for RoPE.
 
-The per-step plan reaches the attention modules through one shared
-:class:`StepContext` that the trainer (``torchtitan_ext.train``) finds with
-:func:`step_context` and fills once per step with :meth:`StepContext.prepare`.
+The plan travels with the batch: the trainer (``torchtitan_ext.train``) plans each
+micro-batch ahead of time with the model's :class:`CAPlanner` (:func:`planner_of`) and
+passes the resulting :class:`StepPlan` as the model's ``attention_masks`` argument,
+which torchtitan 0.2.2 hands to every block and every pipeline stage; each converted
+layer's ``Attention.forward`` gives it to its :class:`CoreAttentionModule`. Nothing is
+shared between layers but immutable configuration.
 """
 
 from __future__ import annotations
@@ -51,9 +55,13 @@ from torch import nn
 
 import distca
 from distca.cost import CostModel, ModelShape, load_cost_model
+from distca.dispatch import build_dispatch
 from torchtitan_ext.config import CoreAttention, nano_batches, validate
 
-__all__ = ["CoreAttentionConverter", "CoreAttentionModule", "StepContext", "build_ca_mesh", "step_context"]
+__all__ = [
+    "CAPlanner", "CoreAttentionConverter", "CoreAttentionModule", "PlannedBatch", "StepPlan", "StepStats",
+    "build_ca_mesh", "planner_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +70,9 @@ CA_TP_DIM = "ca_tp"
 """The innermost dim of the CA mesh with tensor parallelism: torchtitan's TP ranks."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepStats:
-    """What one ``prepare`` planned, for logging."""
+    """What planning one nano-batch gave, for logging."""
 
     imbalance_colocated: float
     """max/mean modelled CA time per server if every rank served its own queries."""
@@ -77,53 +85,112 @@ class StepStats:
     max_server_bytes: int
     """Max over ranks of forward bytes sent plus received, one layer."""
     plan_seconds: float
-    """Wall time of ``distca.prepare`` on this rank (planning, agreement, metadata)."""
+    """Wall time of planning and building this rank's metadata (ahead of time, in the planning thread)."""
     num_docs: int
+    colocated_loads: tuple[float, ...] = ()
+    """Modelled CA seconds per server without CAD (every rank serves its own queries)."""
+    loads: tuple[float, ...] = ()
+    """Modelled CA seconds per server under the chosen policy."""
+
+
+@dataclass(frozen=True)
+class PlannedBatch:
+    """One micro-batch planned (pure, made ahead of time): per nano-batch the plan, this
+    rank's dispatch metadata and the stats."""
+
+    plans: tuple["distca.Plan", ...]
+    metas: tuple["distca.dispatch.DispatchMeta", ...]
+    stats: tuple[StepStats, ...]
+    inputs: tuple = ()
+    """(cu_seqlens, contexts) as given, for :meth:`CAPlanner.bind` to re-raise a planning error."""
+    error: str | None = None
+    """This rank's planning error (raised on every rank of the group by :meth:`CAPlanner.bind`'s plans)."""
+
+
+class StepPlan:
+    """One micro-batch's core attention plans: what the model receives as ``attention_masks``.
+
+    The trainer makes one per micro-batch and drops it when the step is done, which frees
+    the plans (``distca.DispatchPlan``) and anything they hold. A plain class, not a
+    dataclass: FSDP2's forward-input handling rebuilds dataclasses field by field, and the
+    layers must see this very object (they record their attention times in it).
+
+    Attributes:
+        plans: one ``distca.DispatchPlan`` per nano-batch.
+        stats: one :class:`StepStats` per nano-batch.
+        mode: ``distca.core_attention``'s mode for these plans.
+        pingpong: with two nano-batches, overlap one's exchanges with the other's compute.
+        exposed_plan_seconds: time the step waited for its plans (the planning thread, 0 when
+            it finished in time, plus binding them).
+        attn_events: (kind "fwd"/"bwd", start, end) clock marks of attention calls, eager only.
+    """
+
+    __slots__ = ("plans", "stats", "mode", "pingpong", "exposed_plan_seconds", "attn_events")
+
+    def __init__(
+        self,
+        plans: tuple["distca.DispatchPlan", ...],
+        stats: tuple[StepStats, ...],
+        mode: str = "resend",
+        pingpong: bool = False,
+        exposed_plan_seconds: float = 0.0,
+    ) -> None:
+        self.plans, self.stats, self.mode, self.pingpong = plans, stats, mode, pingpong
+        self.exposed_plan_seconds = exposed_plan_seconds
+        self.attn_events: list = []
+
+    def __repr__(self) -> str:
+        return f"StepPlan({len(self.plans)} plan(s), mode={self.mode!r}, pingpong={self.pingpong})"
+
+    def attention_seconds(self) -> tuple[float, float] | None:
+        """(forward, backward) seconds of core attention, or None when nothing was timed
+        (compiled models: the clock marks are Python side effects that ``torch.compile`` skips)."""
+        if not self.attn_events:
+            return None
+        fwd = bwd = 0.0
+        for kind, a, b in self.attn_events:
+            if kind == "fwd":
+                fwd += _elapsed(a, b)
+            else:
+                bwd += _elapsed(a, b)
+        return fwd, bwd
+
+    @property
+    def exchange_wait_seconds(self) -> float:
+        """Host time blocked in this micro-batch's CA exchange waits (what was not hidden, on CPU)."""
+        return sum(p.stats.wait_s for p in self.plans)
 
 
 @dataclass(eq=False)
-class StepContext:
-    """Shared by every :class:`CoreAttentionModule` of a model; holds the step's plan.
+class CAPlanner:
+    """Plans the micro-batches of one CA group; found on the converted model with :func:`planner_of`.
 
-    The trainer calls :meth:`prepare` with the group's global ``cu_seqlens`` once
-    per micro-batch, before the forward; the modules read :attr:`plan`.
+    :meth:`plan` is pure (numpy; safe in a planning thread); :meth:`bind` runs on the
+    training thread (one small all-reduce that checks every rank planned the same).
     """
 
     cfg: CoreAttention
     mesh: "torch.distributed.device_mesh.DeviceMesh"
-    """The 2-D ("ca_outer", "ca") mesh; core attention runs over its "ca" dim."""
+    """The ("ca_outer", "ca"[, "ca_tp"]) mesh; core attention runs over its "ca" dim."""
     degree: int
+    rank: int
+    """This rank's index in its CA group."""
+    nano_batches: int = 1
     shape: ModelShape | None = None
     """Attention shape for the planner's bytes model (set by the converter)."""
     cost_model: CostModel | None = None
-    nano_batches: int = 1
-    plans: "list[distca.DispatchPlan]" = field(default_factory=list)
-    """This micro-batch's plans, one per nano-batch."""
-    stats: list[StepStats] = field(default_factory=list)
-    """One entry per planned nano-batch since the last :meth:`pop_stats`."""
-    pre_attention: object = None
-    post_attention: object = None
-    """Nano-batch mode: the block pieces around core attention (compiled with ``--compile.enable``)."""
-    attn_events: list[tuple[str, object, object]] = field(default_factory=list)
-    """(kind "fwd"/"bwd", start, end) clock marks of attention calls, eager only."""
 
     @property
     def group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("ca")
 
-    @property
-    def plan(self) -> "distca.DispatchPlan | None":
-        """The plan of nano-batch 0 (the only one without nano-batches)."""
-        return self.plans[0] if self.plans else None
-
-    def prepare(
-        self, cu_seqlens: "torch.Tensor | list[torch.Tensor]", contexts: "list[torch.Tensor | None] | None" = None
-    ) -> "list[distca.DispatchPlan]":
-        """Plan this micro-batch's core attention: one ``cu_seqlens`` (the group's global layout)
-        per nano-batch, the same on every rank of the group, and for each nano-batch the
-        documents it continues from the previous one (``distca.Layout.context`` as an int
-        tensor [k, 3], or None)."""
-        cus = list(cu_seqlens) if isinstance(cu_seqlens, (list, tuple)) else [cu_seqlens]
+    def plan(
+        self, cu_seqlens: "list[torch.Tensor]", contexts: "list[torch.Tensor | None] | None" = None
+    ) -> PlannedBatch:
+        """Plan one micro-batch: one ``cu_seqlens`` (the group's global layout, a CPU tensor) per
+        nano-batch, and for each nano-batch the documents it continues from the previous one
+        (``distca.Layout.context`` as an int tensor [k, 3], or None). Pure."""
+        cus = list(cu_seqlens)
         if len(cus) != self.nano_batches:
             raise ValueError(
                 f"expected {self.nano_batches} cu_seqlens (one per nano-batch), got {len(cus)}: the data "
@@ -132,55 +199,66 @@ class StepContext:
         ctxs = list(contexts) if contexts is not None else [None] * len(cus)
         if len(ctxs) != len(cus):
             raise ValueError(f"expected one context per nano-batch ({len(cus)}), got {len(ctxs)}")
-        self.plans = [self._prepare_one(cu, c) for cu, c in zip(cus, ctxs)]
-        return self.plans
+        try:
+            out = [self._plan_one(cu, c) for cu, c in zip(cus, ctxs)]
+        except (ValueError, TypeError) as e:  # the planner rejected this rank's layout
+            return PlannedBatch((), (), (), (cus, ctxs), str(e))
+        return PlannedBatch(*(tuple(x) for x in zip(*out)), (cus, ctxs))
 
-    def _prepare_one(self, cu_seqlens: torch.Tensor, context: "torch.Tensor | None" = None) -> "distca.DispatchPlan":
-        cu = torch.as_tensor(cu_seqlens).detach().reshape(-1).cpu()
-        ctx = () if context is None else tuple(map(tuple, torch.as_tensor(context).reshape(-1, 3).tolist()))
+    def _plan_kwargs(self) -> dict:
         kw = dict(
             tolerance=self.cfg.tolerance, min_shard=self.cfg.min_shard,
             shape=self.shape, cost_model=self.cost_model, mode=self.cfg.mode,
         )  # fmt: skip
-        cap = {}
         if self.cfg.capacity_mib > 0 and self.cfg.policy == "distca":
-            cap["capacity_bytes"] = int(self.cfg.capacity_mib * (1 << 20))
+            kw["capacity_bytes"] = int(self.cfg.capacity_mib * (1 << 20))
+        return kw
+
+    @staticmethod
+    def _context(context: "torch.Tensor | None") -> tuple:
+        return () if context is None else tuple(map(tuple, torch.as_tensor(context).reshape(-1, 3).tolist()))
+
+    def _plan_one(self, cu_seqlens: torch.Tensor, context: "torch.Tensor | None"):
         t0 = time.perf_counter()
-        dp = distca.prepare(cu, self.mesh, context=ctx, policy=self.cfg.policy, **kw, **cap)
-        plan_s = time.perf_counter() - t0
-        p = dp.plan
-        base = p if self.cfg.policy == "colocated" else distca.plan(p.layout, "colocated", **kw)
-        self.stats.append(
-            StepStats(
-                imbalance_colocated=base.imbalance,
-                imbalance=p.imbalance,
-                fwd_bytes=p.traffic.total_bytes,
-                bwd_bytes=p.traffic.total_bwd_bytes,
-                max_server_bytes=p.traffic.max_server_bytes,
-                plan_seconds=plan_s,
-                num_docs=p.layout.num_docs,
-            )
+        cu = torch.as_tensor(cu_seqlens).reshape(-1).tolist()
+        lay = distca.Layout(tuple(cu), self.degree, cu[-1] // self.degree, self._context(context))
+        kw = self._plan_kwargs()
+        p = distca.plan(lay, self.cfg.policy, **kw)
+        kw.pop("capacity_bytes", None)
+        meta = build_dispatch(p, self.rank)
+        base = p if self.cfg.policy == "colocated" else distca.plan(lay, "colocated", **kw)
+        stats = StepStats(
+            imbalance_colocated=base.imbalance,
+            imbalance=p.imbalance,
+            fwd_bytes=p.traffic.total_bytes,
+            bwd_bytes=p.traffic.total_bwd_bytes,
+            max_server_bytes=p.traffic.max_server_bytes,
+            plan_seconds=time.perf_counter() - t0,
+            num_docs=lay.num_docs,
+            colocated_loads=tuple(base.loads.tolist()),
+            loads=tuple(p.loads.tolist()),
         )
-        return dp
+        return p, meta, stats
 
-    def pop_stats(self) -> tuple[list[StepStats], float | None, float | None]:
-        """(plan stats, attention forward seconds, backward seconds) since the last call.
+    def bind(self, planned: PlannedBatch, waited: float = 0.0) -> StepPlan:
+        """The :class:`StepPlan` of a planned micro-batch (collective: every rank of the group).
 
-        The times are None when nothing was timed (compiled models: the clock marks are
-        Python side effects that ``torch.compile`` does not run).
+        ``waited``: seconds the caller already waited for ``planned`` (exposed planning).
         """
-        if not self.attn_events:
-            stats, self.stats = self.stats, []
-            return stats, None, None
-        fwd = bwd = 0.0
-        for kind, a, b in self.attn_events:
-            s = _elapsed(a, b)
-            if kind == "fwd":
-                fwd += s
-            else:
-                bwd += s
-        stats, self.stats, self.attn_events = self.stats, [], []
-        return stats, fwd, bwd
+        t0 = time.perf_counter()
+        # No collective here: the plan digests join the agreement the first layer runs anyway.
+        if planned.error is None:
+            dps = tuple(
+                distca.prepare(p, self.mesh, dispatch=m, verify="first_use") for p, m in zip(planned.plans, planned.metas)
+            )
+        else:  # prepare again to record the error; the first layer raises it on every rank
+            cus, ctxs = planned.inputs
+            dps = tuple(
+                distca.prepare(cu, self.mesh, context=self._context(c), policy=self.cfg.policy, verify="first_use",
+                               **self._plan_kwargs())
+                for cu, c in zip(cus, ctxs)
+            )  # fmt: skip
+        return StepPlan(dps, planned.stats, self.cfg.mode, self.cfg.pingpong, waited + time.perf_counter() - t0)
 
 
 # ---- timing (eager only) -------------------------------------------------------------------
@@ -213,7 +291,7 @@ class _BackwardEnd(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk, dv):
         ctx.box["end"] = _now(dq.device)
-        ctx.box["ctx"].attn_events.append(("bwd", ctx.box["start"], ctx.box["end"]))
+        ctx.box["step"].attn_events.append(("bwd", ctx.box["start"], ctx.box["end"]))
         return None, dq, dk, dv
 
 
@@ -235,69 +313,75 @@ class _BackwardStart(torch.autograd.Function):
 
 
 class CoreAttentionModule(nn.Module):
-    """Drop-in for torchtitan's ``ScaledDotProductAttentionWrapper`` that runs ``distca.core_attention``.
+    """Replaces torchtitan's ``ScaledDotProductAttentionWrapper``: ``distca.core_attention``
+    with the micro-batch's plan.
 
-    ``forward(q, k, v, *, scale=None, enable_gqa=False, is_causal=True)`` with
-    torchtitan's layout q: (1, Hq, T, D), k, v: (1, Hkv, T, D) after RoPE; returns
-    (1, Hq, T, D). The local batch is one row of T tokens: this rank's slice of
-    the CA group's stream (the CAD layout). Attention is causal within the
-    documents of the group's ``cu_seqlens``; GQA is handled by distca itself.
+    ``forward(q, k, v, step, nano=0)``: q [T, Hq, D], k, v [T, Hkv, D] after RoPE (this
+    rank's T rows of the CA group's stream), ``step`` the :class:`StepPlan` the model got
+    as ``attention_masks``; returns [T, Hq, D]. Causal within the documents of the plan's
+    layout; GQA is handled by distca itself.
     """
 
-    def __init__(self, context: StepContext) -> None:
+    def __init__(self, cfg: CoreAttention) -> None:
         super().__init__()
-        self.context = context
+        self.backend = None if cfg.backend == "auto" else cfg.backend
 
-    def forward(self, q, k, v, *, scale=None, enable_gqa=False, is_causal=True):
-        if not is_causal:
-            raise ValueError("core_attention is causal-only; got is_causal=False")
-        if q.shape[0] != 1:
-            raise ValueError(
-                f"core_attention needs one sequence per rank (training.local_batch_size = 1), got batch {q.shape[0]}: "
-                "each rank's T tokens are its slice of the CA group's token stream"
-            )
-        ctx = self.context
-        if ctx.plan is None:
+    def forward(self, q, k, v, step: "StepPlan | None", *, scale: float | None = None):
+        if not isinstance(step, StepPlan):
             raise RuntimeError(
-                "core_attention has no plan for this step: run training with `python -m torchtitan_ext.train`, "
-                "whose trainer calls StepContext.prepare(cu_seqlens) before every forward"
+                f"core_attention needs the micro-batch's StepPlan as attention_masks, got {type(step).__name__}: "
+                "run training with `python -m torchtitan_ext.train`, whose trainer and validator plan every batch"
             )
-        qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))  # [T, H, D]
-        backend = None if ctx.cfg.backend == "auto" else ctx.cfg.backend
         timed = not torch.compiler.is_compiling() and torch.is_grad_enabled()
         if timed:
-            box = {"ctx": ctx}
-            qt, kt, vt = _BackwardEnd.apply(box, qt, kt, vt)
+            box = {"step": step}
+            q, k, v = _BackwardEnd.apply(box, q, k, v)
             t0 = _now(q.device)
-        plan = ctx.plan.handle if torch.compiler.is_compiling() else ctx.plan
         out = distca.core_attention(
-            qt, kt, vt, None, group=ctx.group, plan=plan, softmax_scale=scale, mode=ctx.cfg.mode, backend=backend
+            q, k, v, None, plan=step.plans[0], softmax_scale=scale, mode=step.mode, backend=self.backend
         )  # [T, Hq, D]
         if timed:
-            ctx.attn_events.append(("fwd", t0, _now(q.device)))
+            step.attn_events.append(("fwd", t0, _now(q.device)))
             out = _BackwardStart.apply(box, out)
-        return out.transpose(0, 1).unsqueeze(0)  # (1, Hq, T, D)
+        return out
+
+
+def _qkv(attn: nn.Module, h: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor | None):
+    """llama3 ``Attention`` up to core attention: h (1, t, dim) -> q [t, Hq, D], k, v [t, Hkv, D].
+
+    The same ops as torchtitan 0.2.2's ``Attention.forward`` before ``inner_attention`` (RoPE by
+    in-document ``positions``); -1 heads so tensor-parallel shards also fit.
+    """
+    from torchtitan.models.llama3.model.model import apply_rotary_emb
+
+    bs, t, _ = h.shape
+    if bs != 1:
+        raise ValueError(
+            f"core_attention needs one sequence per rank (training.local_batch_size = 1), got batch {bs}: "
+            "each rank's T tokens are its slice of the CA group's token stream"
+        )
+    xq = attn.wq(h).view(bs, t, -1, attn.head_dim)
+    xk = attn.wk(h).view(bs, t, -1, attn.head_dim)
+    xv = attn.wv(h).view(bs, t, -1, attn.head_dim)
+    xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis, positions=positions)
+    return xq[0], xk[0], xv[0]
+
+
+def _attention_forward(attn, x, freqs_cis, attention_masks, positions=None):
+    """``Attention.forward`` of a converted layer: core attention by distca; ``attention_masks``
+    is the micro-batch's :class:`StepPlan` (torchtitan passes it to every layer, and to every
+    pipeline stage)."""
+    q, k, v = _qkv(attn, x, freqs_cis, positions)
+    o = attn.inner_attention(q, k, v, attention_masks)  # [t, Hq, D]
+    return attn.wo(o.reshape(1, o.shape[0], -1))
 
 
 # ---- nano-batches and ping-pong ----------------------------------------------------------------
 
 
 def _pre_attention(block: nn.Module, x: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor):
-    """llama3 ``TransformerBlock`` up to core attention: x (1, t, dim) -> q [t, Hq, D], k, v [t, Hkv, D].
-
-    The same ops as torchtitan 0.2.2's ``Attention.forward`` before ``inner_attention``
-    (RoPE by in-document ``positions``); -1 heads so tensor-parallel shards also fit.
-    """
-    from torchtitan.models.llama3.model.model import apply_rotary_emb
-
-    attn = block.attention
-    h = block.attention_norm(x)
-    bs, t, _ = h.shape
-    xq = attn.wq(h).view(bs, t, -1, attn.head_dim)
-    xk = attn.wk(h).view(bs, t, -1, attn.head_dim)
-    xv = attn.wv(h).view(bs, t, -1, attn.head_dim)
-    xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis, positions=positions)
-    return xq[0], xk[0], xv[0]
+    """llama3 ``TransformerBlock`` up to core attention: x (1, t, dim) -> q [t, Hq, D], k, v [t, Hkv, D]."""
+    return _qkv(block.attention, block.attention_norm(x), freqs_cis, positions)
 
 
 def _post_attention(block: nn.Module, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
@@ -322,26 +406,25 @@ def _nano_block_forward(block, x, freqs_cis, attention_masks=None, positions=Non
     """
     from distca import pingpong
 
-    ctx: StepContext = block._ca_context
+    step: StepPlan = attention_masks
     if positions is None:
         raise ValueError("nano-batches need in-document positions (the torchtitan_ext data loader yields them)")
-    if len(ctx.plans) != 2:
-        raise RuntimeError(f"nano_batches = 2 needs two plans for this step, got {len(ctx.plans)}")
+    if not isinstance(step, StepPlan) or len(step.plans) != 2:
+        raise RuntimeError(f"nano_batches = 2 needs a StepPlan with two plans as attention_masks, got {step!r}")
     t = x.shape[1] // 2
     xs, ps = x.split(t, dim=1), positions.split(t, dim=1)
-    pre, post = ctx.pre_attention, ctx.post_attention
-    backend = None if ctx.cfg.backend == "auto" else ctx.cfg.backend
-    kw = dict(mode=ctx.cfg.mode, backend=backend)
+    pre, post = block._ca_pieces
+    kw = dict(mode=step.mode, backend=block.attention.inner_attention.backend)
 
     def start(i, kv_prev=None):
         """Pre-attention and dispatch of nano-batch i; returns its flight and its own (k, v)."""
         q, k, v = pre(block, xs[i], freqs_cis, ps[i])
         kk, vv = k, v
-        if kv_prev is not None and ctx.plans[i].plan.layout.context:  # continues a document: keys of 0 first
+        if kv_prev is not None and step.plans[i].plan.layout.context:  # continues a document: keys of 0 first
             kk, vv = torch.cat([kv_prev[0], k]), torch.cat([kv_prev[1], v])
-        return pingpong.start(q, kk, vv, plan=ctx.plans[i], **kw), (k, v)
+        return pingpong.start(q, kk, vv, plan=step.plans[i], **kw), (k, v)
 
-    if ctx.cfg.pingpong:
+    if step.pingpong:
         f0, kv0 = start(0)
         f1, _ = start(1, kv0)
         pingpong.serve(f0)
@@ -419,7 +502,7 @@ class CoreAttentionConverter:
         self.job_config = job_config
         self.tp = getattr(parallel_dims, "tp", 1)
         """Tensor-parallel degree: each TP rank runs core attention on n_heads / tp heads."""
-        self.context: StepContext | None = None
+        self.planner: CAPlanner | None = None
         if not cfg.enable:
             return
         if job_config.training.local_batch_size != 1:
@@ -445,13 +528,14 @@ class CoreAttentionConverter:
                 f"core_attention.nano_batches={n_nano} needs training.seq_len divisible by it, "
                 f"got seq_len={job_config.training.seq_len}"
             )
-        self.context = StepContext(
-            cfg=cfg, mesh=build_ca_mesh(parallel_dims, degree), degree=degree, nano_batches=n_nano
-        )
-        self.context.cost_model = load_cost_model(name)
+        mesh = build_ca_mesh(parallel_dims, degree)
+        self.planner = CAPlanner(
+            cfg=cfg, mesh=mesh, degree=degree, rank=mesh.get_local_rank("ca"), nano_batches=n_nano,
+            cost_model=load_cost_model(name),
+        )  # fmt: skip
 
     def convert(self, model: nn.Module) -> None:
-        if self.context is None:
+        if self.planner is None:
             return
         args = model.model_args
         if getattr(args, "attn_type", "sdpa") != "sdpa":
@@ -467,41 +551,46 @@ class CoreAttentionConverter:
                 f"n_kv_heads={n_kv}: each TP rank runs core attention on whole heads"
             )
         dtype_bytes = 2 if self.job_config.training.mixed_precision_param == "bfloat16" else 4
+        pl = self.planner
         # What this rank's attention modules see: torchtitan's TP shards wq/wk/wv column-wise.
-        self.context.shape = ModelShape(args.n_heads // tp, n_kv // tp, args.dim // args.n_heads, dtype_bytes)
+        pl.shape = ModelShape(args.n_heads // tp, n_kv // tp, args.dim // args.n_heads, dtype_bytes)
         # In-document positions reach degree * seq_len - 1 (a document spanning the group);
         # init_weights() recomputes freqs_cis from max_seq_len after this.
-        args.max_seq_len = max(args.max_seq_len, self.context.degree * self.job_config.training.seq_len)
-        ctx = self.context
-        if ctx.nano_batches > 1:
+        args.max_seq_len = max(args.max_seq_len, pl.degree * self.job_config.training.seq_len)
+        cfg = pl.cfg
+        pieces = None
+        if pl.nano_batches > 1:
             compiled = self.job_config.compile.enable and "model" in self.job_config.compile.components
             # The schedule between the pieces is Python (collectives, waits); the pieces compile.
             wrap = (lambda f: torch.compile(f, fullgraph=True)) if compiled else (lambda f: f)
-            ctx.pre_attention, ctx.post_attention = wrap(_pre_attention), wrap(_post_attention)
+            pieces = (wrap(_pre_attention), wrap(_post_attention))
         n = 0
         for block in model.layers.values():
-            block.attention.inner_attention = CoreAttentionModule(ctx)
-            if ctx.nano_batches > 1:
-                block._ca_context = ctx
+            block.attention.inner_attention = CoreAttentionModule(cfg)
+            block.attention.forward = types.MethodType(_attention_forward, block.attention)
+            if pieces is not None:
+                block._ca_pieces = pieces
                 block.forward = types.MethodType(_nano_block_forward, block)
             n += 1
+        model._ca_planner = pl
         logger.info(
             "core_attention: %d attention layers use distca (CA group of %d ranks, %d query / %d KV heads per "
             "rank%s, policy %s, mode %s, %d nano-batch(es)%s)",
-            n, ctx.degree, ctx.shape.num_heads, ctx.shape.num_kv_heads, f", TP {self.tp}" if self.tp > 1 else "",
-            ctx.cfg.policy, ctx.cfg.mode, ctx.nano_batches, ", ping-pong" if ctx.cfg.pingpong else "",
+            n, pl.degree, pl.shape.num_heads, pl.shape.num_kv_heads, f", TP {self.tp}" if self.tp > 1 else "",
+            cfg.policy, cfg.mode, pl.nano_batches, ", ping-pong" if cfg.pingpong else "",
         )  # fmt: skip
 
     def post_optimizer_hook(self, model) -> None:
         pass
 
 
-def step_context(model_parts: list[nn.Module]) -> StepContext | None:
-    """The :class:`StepContext` shared by the converted attention modules (None: not converted)."""
+def planner_of(model_parts: list[nn.Module]) -> CAPlanner | None:
+    """The :class:`CAPlanner` of a converted model (None: not converted, or CAD off)."""
     for part in model_parts:
         for m in part.modules():
-            if isinstance(m, CoreAttentionModule):
-                return m.context
+            pl = getattr(m, "_ca_planner", None)
+            if pl is not None:
+                return pl
     return None
 
 

@@ -50,6 +50,7 @@ from distca.doclens import load_doclens
 __all__ = [
     # constants
     "DATASETS",
+    "LAYOUT_KEYS",
     "IGNORE_INDEX",
     "TOKENIZER_PATH",
     # streams
@@ -71,6 +72,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+LAYOUT_KEYS = ("cu_seqlens", "cu_seqlens_1", "context_1")
+"""Item keys that describe the step's CA layout (per nano-batch). Each item also carries the
+next step's under ``next_<key>``, so its plan can be made while this step computes."""
 
 IGNORE_INDEX = -100
 """Label of a token whose next token is not in its document (torchtitan's cross-entropy ignore index)."""
@@ -355,6 +360,9 @@ def rank_batch(window: GroupWindow, ca_rank: int, tokens_per_rank: int) -> tuple
 class CAPackedDataset(IterableDataset, Stateful):
     """Stateful iterable of one rank's ``(input_dict, labels)``, one item per training step.
 
+    Each item carries the next step's layout too (``next_cu_seqlens``, ...: :data:`LAYOUT_KEYS`),
+    read one window ahead without moving the checkpointed state.
+
     Infinite. The checkpointed state is the group's ``StreamState`` plus the identity of the
     stream; loading a state from a different dataset/seed/group/shape raises (no resharding).
     """
@@ -382,6 +390,8 @@ class CAPackedDataset(IterableDataset, Stateful):
         self.nano_batches = nano_batches
         self._state = StreamState()
         self._step = 0
+        self._ahead: tuple[StreamState, tuple] | None = None
+        """(state, item): the next step's item, computed one step early (see ``__iter__``)."""
 
     def _identity(self) -> dict[str, Any]:
         return {
@@ -394,16 +404,27 @@ class CAPackedDataset(IterableDataset, Stateful):
             "nano_batches": self.nano_batches,
         }
 
+    def _item(self, state: StreamState) -> tuple[dict[str, torch.Tensor], torch.Tensor, StreamState]:
+        w = group_window(self.stream, state, self.ca_degree, self.seq_len)
+        if self.nano_batches == 1:
+            return (*rank_batch(w, self.ca_rank, self.seq_len), w.next_state)
+        return (*nano_rank_batch(w, self.ca_rank, self.seq_len), w.next_state)
+
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         while True:
-            w = group_window(self.stream, self._state, self.ca_degree, self.seq_len)
-            # Advance before yielding: a state_dict taken after this item resumes at the next one.
-            self._state = w.next_state
-            self._step += 1
-            if self.nano_batches == 1:
-                yield rank_batch(w, self.ca_rank, self.seq_len)
+            start = self._state
+            if self._ahead is not None and self._ahead[0] == start:
+                input_dict, labels, after = self._ahead[1]
             else:
-                yield nano_rank_batch(w, self.ca_rank, self.seq_len)
+                input_dict, labels, after = self._item(start)
+            # Look one step ahead (pure: the state does not move) so that the next step's
+            # layout can be planned while this step computes; the item is kept for then.
+            nxt = self._item(after)
+            self._ahead = (after, nxt)
+            # Advance before yielding: a state_dict taken after this item resumes at the next one.
+            self._state = after
+            self._step += 1
+            yield {**input_dict, **{f"next_{k}": v for k, v in nxt[0].items() if k in LAYOUT_KEYS}}, labels
 
     def state_dict(self) -> dict[str, Any]:
         return {"doc": self._state.doc, "offset": self._state.offset, "step": self._step, **self._identity()}
@@ -418,6 +439,7 @@ class CAPackedDataset(IterableDataset, Stateful):
             )
         self._state = StreamState(int(state_dict["doc"]), int(state_dict["offset"]))
         self._step = int(state_dict["step"])
+        self._ahead = None
 
 
 def nano_rank_batch(window: GroupWindow, ca_rank: int, tokens_per_rank: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -468,6 +490,7 @@ def build_ca_dataloader(
     seed: int = 0,
     doc_scale: float | str = "auto",
     nano_batches: int = 1,
+    section: str = "training",
 ):
     """torchtitan ``ParallelAwareDataloader`` over a ``CAPackedDataset`` for this rank.
 
@@ -476,9 +499,9 @@ def build_ca_dataloader(
     ``group = dp_rank // ca_degree`` and ``ca_rank`` must equal ``dp_rank % ca_degree``.
 
     Args:
-        job_config: torchtitan ``JobConfig``; reads ``training.dataset``,
-            ``training.local_batch_size`` (must be 1: one item is the rank's T tokens) and
-            ``training.dataloader`` (``num_workers`` must be 0: the stream is sequential).
+        job_config: torchtitan ``JobConfig``; reads ``<section>.dataset``,
+            ``<section>.local_batch_size`` (must be 1: one item is the rank's T tokens) and
+            ``<section>.dataloader`` (``num_workers`` must be 0: the stream is sequential).
         tokenizer: torchtitan tokenizer (required for ``"stdlib"``; gives the synthetic vocab).
         seq_len: T, tokens per rank per step.
         seed: shuffling (stdlib) / generation (synthetic) seed; every rank must pass the same.
@@ -486,6 +509,7 @@ def build_ca_dataloader(
         nano_batches: 2 splits each step's window into two nano-batches that keep documents
             whole (ping-pong; see :func:`nano_rank_batch`): the same tokens as 1, with keys
             ``cu_seqlens``, ``cu_seqlens_1`` and ``context_1``.
+        section: ``"training"`` or ``"validation"``: the job-config section read.
     """
     from dataclasses import asdict
 
@@ -506,19 +530,21 @@ def build_ca_dataloader(
             f"ca_rank must be dp_rank % ca_degree = {dp_rank % ca_degree}, got {ca_rank=} "
             f"({dp_rank=}, {ca_degree=}); the CA group must be the innermost block of the batch ranks"
         )
-    training = job_config.training
+    if section not in ("training", "validation"):
+        raise ValueError(f'section must be "training" or "validation", got {section!r}')
+    training = getattr(job_config, section)
     name = training.dataset
     if name not in DATASETS:
-        raise ValueError(f"unknown training.dataset={name!r}; valid names: {list(DATASETS)}")
+        raise ValueError(f"unknown {section}.dataset={name!r}; valid names: {list(DATASETS)}")
     if training.local_batch_size != 1:
         raise ValueError(
-            f"training.local_batch_size must be 1 with the CA loader (each item is the rank's "
+            f"{section}.local_batch_size must be 1 with the CA loader (each item is the rank's "
             f"[1, seq_len] slice of its CA group's window), got {training.local_batch_size}"
         )
     loader_kwargs = asdict(training.dataloader)
     if loader_kwargs.get("num_workers", 0):
         raise ValueError(
-            f"training.dataloader.num_workers must be 0 with the CA loader (one sequential stream "
+            f"{section}.dataloader.num_workers must be 0 with the CA loader (one sequential stream "
             f"per rank), got {loader_kwargs['num_workers']}"
         )
     group, num_groups = dp_rank // ca_degree, dp_world // ca_degree

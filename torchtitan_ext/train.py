@@ -21,10 +21,10 @@ _compat.apply()
 
 import dataclasses  # noqa: E402
 import time  # noqa: E402
+from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from distca import pingpong  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import build_text_dataloader  # noqa: E402
 from torchtitan.protocols import train_spec as ts  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
@@ -32,7 +32,8 @@ from torchtitan.train import Trainer, main  # noqa: E402
 
 from torchtitan_ext import data  # noqa: E402
 from torchtitan_ext.config import nano_batches, validate  # noqa: E402
-from torchtitan_ext.converter import step_context  # noqa: E402
+from torchtitan_ext.converter import StepPlan, planner_of  # noqa: E402
+from torchtitan_ext.validate import build_ca_validator, pop_layout  # noqa: E402
 
 __all__ = ["CoreAttentionTrainer", "build_dataloader", "parallelize", "register_train_spec", "TRAIN_SPEC"]
 
@@ -89,7 +90,11 @@ def register_train_spec() -> None:
     if TRAIN_SPEC not in ts._extra_train_specs:
         spec = ts.get_train_spec("llama3")
         ts.register_train_spec(
-            TRAIN_SPEC, dataclasses.replace(spec, build_dataloader_fn=build_dataloader, parallelize_fn=parallelize)
+            TRAIN_SPEC,
+            dataclasses.replace(
+                spec, build_dataloader_fn=build_dataloader, parallelize_fn=parallelize,
+                build_validator_fn=build_ca_validator,
+            ),  # fmt: skip
         )
 
 
@@ -103,11 +108,21 @@ class _RunStats:
     """torch._dynamo's compiled-graph count after each step (with ``--compile.enable``)."""
 
 
+def _layout_key(cus: list[torch.Tensor], contexts: list) -> tuple:
+    return tuple(tuple(x.reshape(-1).tolist()) if x is not None else None for x in (*cus, *contexts))
+
+
 class CoreAttentionTrainer(Trainer):
-    """torchtitan's Trainer plus: the step's CA plan before the forward, and CA metrics.
+    """torchtitan's Trainer plus: every micro-batch's CA plan, made ahead of time, passed to the
+    model as ``attention_masks``; CA metrics.
+
+    Planning ahead: the CA loader gives each item the next step's layout too, so when item n is
+    drawn, a planning thread starts on item n + 1's plan (pure numpy: the planner and this rank's
+    dispatch metadata). By the time item n + 1 runs its plan is ready; the training thread pays
+    one small all-reduce that checks every rank planned the same (``ca/exposed_plan_ms``).
 
     With core attention off it only drops the loader's extra keys (``positions``,
-    ``cu_seqlens``), so the model runs exactly as upstream torchtitan's.
+    ``cu_seqlens``, ...), so the model runs exactly as upstream torchtitan's.
     """
 
     def __init__(self, job_config) -> None:
@@ -129,22 +144,53 @@ class CoreAttentionTrainer(Trainer):
                     f"training.dataset={job_config.training.dataset!r} is not one of {list(data.DATASETS)}"
                 )
         super().__init__(job_config)
-        self.ca = step_context(self.model_parts)
+        self.ca = planner_of(self.model_parts)
         self.run_stats = _RunStats()
+        self._planning = ThreadPoolExecutor(1, thread_name_prefix="distca-plan") if self.ca is not None else None
+        self._ahead: dict[tuple, Future] = {}
+        """Layout key -> planning future, for the items not drawn yet (at most one)."""
+        self._step_plans: list[StepPlan] = []
+        """This step's micro-batch plans, dropped (freeing the plans) when the step is logged."""
+
+    # ---- planning ahead --------------------------------------------------------------------------
+
+    def batch_generator(self, data_iterable):
+        for input_dict, labels in super().batch_generator(data_iterable):
+            if self.ca is None:
+                yield input_dict, labels
+                continue
+            now, ahead = pop_layout(input_dict), pop_layout(input_dict, "next_")
+            if now is not None:
+                key = _layout_key(*now)
+                fut = self._ahead.pop(key, None)
+                self._ahead.clear()  # a stale guess (e.g. after a checkpoint load) is dropped
+                if fut is None:
+                    fut = self._planning.submit(self.ca.plan, *now)
+                if ahead is not None:
+                    self._ahead[_layout_key(*ahead)] = self._planning.submit(self.ca.plan, *ahead)
+                # Not a tensor: torchtitan's move to the device leaves it alone.
+                input_dict["ca_planned"] = fut
+            yield input_dict, labels
 
     def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
         input_dict = dict(input_dict)
-        keys = sorted((k for k in input_dict if k.startswith("cu_seqlens")), key=lambda k: (len(k), k))
-        cu_seqlens = [input_dict.pop(k) for k in keys]  # one per nano-batch
-        # Nano-batch i > 0 may continue documents of nano-batch i - 1 (data.nano_rank_batch).
-        contexts = [None] + [input_dict.pop(f"context_{i}", None) for i in range(1, len(keys))]
+        fut = input_dict.pop("ca_planned", None)
+        for prefix in ("", "next_"):
+            pop_layout(input_dict, prefix)
         if self.ca is None:
             # Upstream behaviour: plain causal attention over the row, positions 0..T-1.
             input_dict.pop("positions", None)
-        else:
-            # positions stay in input_dict: llama3's forward(tokens, positions=...) indexes RoPE by them.
-            self.ca.prepare(cu_seqlens, contexts)
-        return super().post_dataloading_process(input_dict, labels)
+            return super().post_dataloading_process(input_dict, labels)
+        if fut is None:
+            raise RuntimeError("a CA batch without its plan: items must come through CoreAttentionTrainer.batch_generator")
+        t0 = time.perf_counter()
+        planned = fut.result()
+        step = self.ca.bind(planned, waited=time.perf_counter() - t0)
+        self._step_plans.append(step)
+        # positions stay in input_dict: llama3's forward(tokens, positions=...) indexes RoPE by them.
+        inputs, labels, extra_inputs, extra_kwargs = super().post_dataloading_process(input_dict, labels)
+        extra_kwargs["attention_masks"] = step
+        return inputs, labels, extra_inputs, extra_kwargs
 
     def train_step(self, data_iterator) -> None:
         t0 = time.perf_counter()
@@ -156,7 +202,9 @@ class CoreAttentionTrainer(Trainer):
             self.run_stats.graphs.append(counters["stats"]["unique_graphs"])
         if self.ca is None:
             return
-        stats, fwd_s, bwd_s = self.ca.pop_stats()
+        steps, self._step_plans = self._step_plans, []  # the step's plans are freed here
+        stats = [s for sp in steps for s in sp.stats]
+        times = [sp.attention_seconds() for sp in steps]
         n_layers = self.model_args.n_layers
         row = {
             "ca/imbalance_colocated": float(np.mean([s.imbalance_colocated for s in stats])),
@@ -165,18 +213,19 @@ class CoreAttentionTrainer(Trainer):
             "ca/bwd_MiB_per_layer": sum(s.bwd_bytes for s in stats) / _MiB,
             "ca/max_server_MiB_per_layer": max(s.max_server_bytes for s in stats) / _MiB,
             "ca/plan_ms": 1e3 * sum(s.plan_seconds for s in stats),
+            "ca/exposed_plan_ms": 1e3 * sum(sp.exposed_plan_seconds for sp in steps),
             "ca/docs": float(np.mean([s.num_docs for s in stats])),
         }
-        if fwd_s is not None:
-            row.update({"ca/attn_fwd_s": fwd_s, "ca/attn_bwd_s": bwd_s})
+        if all(t is not None for t in times):
+            row.update({"ca/attn_fwd_s": sum(t[0] for t in times), "ca/attn_bwd_s": sum(t[1] for t in times)})
         if self.ca.nano_batches > 1:
-            # Host time blocked on CA exchanges: what ping-pong did not hide (0 on CUDA, see distca.pingpong).
-            row["ca/exposed_comm_s"] = pingpong.exposed_seconds()
+            # Host time blocked on CA exchanges: what ping-pong did not hide (0 on CUDA, see distca.exchange).
+            row["ca/exposed_comm_s"] = sum(sp.exchange_wait_seconds for sp in steps)
         self.run_stats.rows.append(row)
         if self.metrics_processor.should_log(self.step):
             self.metrics_processor.logger.log(row, self.step)
-            if fwd_s is not None:
-                attn = f"attn fwd {fwd_s:.3f} s bwd {bwd_s:.3f} s"
+            if "ca/attn_fwd_s" in row:
+                attn = f"attn fwd {row['ca/attn_fwd_s']:.3f} s bwd {row['ca/attn_bwd_s']:.3f} s"
             elif "ca/exposed_comm_s" in row:
                 attn = f"exposed comm {row['ca/exposed_comm_s']:.3f} s ({self.ca.nano_batches} nano-batches)"
             else:
@@ -186,7 +235,8 @@ class CoreAttentionTrainer(Trainer):
                 f"ca step {self.step:2}  imbalance {row['ca/imbalance_colocated']:.3f} (colocated) -> "
                 f"{row['ca/imbalance']:.3f} ({self.ca.cfg.policy})  "
                 f"bytes/layer fwd {row['ca/fwd_MiB_per_layer']:.2f} MiB bwd {row['ca/bwd_MiB_per_layer']:.2f} MiB "
-                f"(x{n_layers} layers)  plan {row['ca/plan_ms']:.1f} ms  {attn}  docs {row['ca/docs']:.0f}"
+                f"(x{n_layers} layers)  plan {row['ca/plan_ms']:.1f} ms (exposed {row['ca/exposed_plan_ms']:.1f} ms)  "
+                f"{attn}  docs {row['ca/docs']:.0f}"
             )
 
     def train(self) -> None:
@@ -195,6 +245,8 @@ class CoreAttentionTrainer(Trainer):
         self._completed = True
 
     def close(self) -> None:
+        if self._planning is not None:
+            self._planning.shutdown(wait=True, cancel_futures=True)
         super().close()
         # torchtitan's main() destroys the process group right after close(); without a barrier
         # gloo occasionally aborts in destroy_process_group ("terminate called without an active
@@ -222,7 +274,7 @@ class CoreAttentionTrainer(Trainer):
                 f"; CA ({self.ca.cfg.policy}, group of {self.ca.degree}): imbalance "
                 f"{mean['ca/imbalance_colocated']:.3f} (colocated) -> {mean['ca/imbalance']:.3f}, "
                 f"fwd+bwd {mean['ca/fwd_MiB_per_layer'] + mean['ca/bwd_MiB_per_layer']:.2f} MiB per layer per step, "
-                f"plan {mean['ca/plan_ms']:.1f} ms/step"
+                f"plan {mean['ca/plan_ms']:.1f} ms/step (exposed {mean['ca/exposed_plan_ms']:.1f} ms/step)"
             )
             if "ca/exposed_comm_s" in mean:
                 msg += f", exposed CA comm {mean['ca/exposed_comm_s']:.3f} s/step"

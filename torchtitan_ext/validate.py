@@ -1,0 +1,119 @@
+"""Validation with core attention disaggregation: torchtitan 0.2.2's validator on the CA loader.
+
+torchtitan's ``Validator`` runs its own loop (``validate`` -> ``post_dataloading_process`` ->
+model forward under ``no_grad``), outside the trainer's hooks. :class:`CAValidator` keeps that
+loop and changes two things:
+
+- its loader is the CA loader (:func:`torchtitan_ext.data.build_ca_dataloader`) over
+  ``[validation] dataset`` with ``[validation] seq_len`` tokens per rank, one CA group's window
+  per step, shuffled with another seed than training (``debug.seed + 1``; the same source, not a
+  held-out split);
+- every batch is planned like a training batch, with the model's planner
+  (:func:`torchtitan_ext.converter.planner_of`), and its :class:`~torchtitan_ext.converter.StepPlan`
+  goes to the model as ``attention_masks``. Planning is synchronous here: validation is not on
+  the training step's critical path.
+
+With core attention off it drops the loader's layout keys and ``positions``, as the trainer does.
+Wired in by the ``"llama3_ca"`` TrainSpec (:func:`torchtitan_ext.train.register_train_spec`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torchtitan.components.validate import BaseValidator, Validator
+
+from torchtitan_ext import data
+from torchtitan_ext.converter import planner_of
+
+__all__ = ["CAValidator", "build_ca_validator", "pop_layout"]
+
+
+def pop_layout(input_dict: dict, prefix: str = "") -> "tuple[list, list] | None":
+    """Remove one step's layout keys (``prefix`` + :data:`torchtitan_ext.data.LAYOUT_KEYS`) from
+    ``input_dict``; returns (cu_seqlens per nano-batch, contexts per nano-batch), or None."""
+    cus = [input_dict.pop(k) for k in (f"{prefix}cu_seqlens", f"{prefix}cu_seqlens_1") if k in input_dict]
+    if not cus:
+        return None
+    # Nano-batch 1 may continue documents of nano-batch 0 (data.nano_rank_batch).
+    contexts = [None] + [input_dict.pop(f"{prefix}context_1", None) for _ in cus[1:]]
+    return cus, contexts
+
+
+class CAValidator(Validator):
+    """torchtitan's ``Validator`` over the CA loader, planning every batch (see the module docstring)."""
+
+    def __init__(
+        self,
+        job_config,
+        dp_world_size: int,
+        dp_rank: int,
+        tokenizer,
+        parallel_dims,
+        loss_fn,
+        validation_context,
+        maybe_enable_amp,
+        metrics_processor,
+        pp_schedule=None,
+        pp_has_first_stage=None,
+        pp_has_last_stage=None,
+    ) -> None:
+        from torchtitan_ext.config import nano_batches, validate
+
+        BaseValidator.__init__(self, job_config)
+        val = job_config.validation
+        if val.dataset not in data.DATASETS:
+            raise ValueError(
+                f"validation.dataset={val.dataset!r} is not a CA-aware dataset; with the llama3_ca train spec "
+                f"use one of {list(data.DATASETS)}"
+            )
+        cfg = getattr(job_config, "core_attention", None)
+        degree, n_nano = 1, 1
+        if cfg is not None and cfg.enable:
+            p = job_config.parallelism
+            degree = validate(
+                cfg, dp_size=dp_world_size, cp_degree=p.context_parallel_degree,
+                tp_degree=p.tensor_parallel_degree, pp_degree=p.pipeline_parallel_degree,
+            )  # fmt: skip
+            n_nano = nano_batches(cfg)
+        seed = (job_config.debug.seed if job_config.debug.seed is not None else 0) + 1
+        self.tokenizer = tokenizer
+        self.parallel_dims = parallel_dims
+        self.loss_fn = loss_fn
+        self.validation_dataloader = data.build_ca_dataloader(
+            job_config, tokenizer, dp_rank, dp_world_size, dp_rank % degree, degree, val.seq_len,
+            seed=seed, nano_batches=n_nano, section="validation",
+        )  # fmt: skip
+        self.validation_context = validation_context
+        self.maybe_enable_amp = maybe_enable_amp
+        self.metrics_processor = metrics_processor
+        self.pp_schedule = pp_schedule
+        self.pp_has_first_stage = pp_has_first_stage
+        self.pp_has_last_stage = pp_has_last_stage
+        self._planner = None
+
+    def validate(self, model_parts: list[nn.Module], step: int) -> None:
+        self._planner = planner_of(model_parts)
+        try:
+            super().validate(model_parts, step)
+        finally:
+            self._planner = None
+
+    def post_dataloading_process(self, input_dict, labels, model_parts):
+        input_dict = dict(input_dict)
+        layout = pop_layout(input_dict)
+        pop_layout(input_dict, "next_")
+        if self._planner is None:
+            input_dict.pop("positions", None)  # upstream behaviour: causal attention over the row
+            return super().post_dataloading_process(input_dict, labels, model_parts)
+        if layout is None:
+            raise ValueError("a validation batch without cu_seqlens: the CA validator needs the CA loader")
+        cus, contexts = layout
+        step = self._planner.bind(self._planner.plan([c.cpu() for c in cus], contexts))
+        inputs, labels, extra_inputs, extra_kwargs = super().post_dataloading_process(input_dict, labels, model_parts)
+        extra_kwargs["attention_masks"] = step
+        return inputs, labels, extra_inputs, extra_kwargs
+
+
+def build_ca_validator(**kwargs) -> CAValidator:
+    """TrainSpec ``build_validator_fn`` of ``"llama3_ca"``."""
+    return CAValidator(**kwargs)
