@@ -126,6 +126,8 @@ class CostModel:
     """Seconds of a server's step per CA byte it sends plus receives (transport and its copies,
     what overlap does not hide); 0: moving is free. The ``distca`` planner keeps the colocated
     plan when the modelled gain does not pay for the bytes (:func:`distca.plan`)."""
+    link_source: str = ""
+    """How ``link_byte_s`` was measured."""
     source: str = ""
 
     def time(self, q_len, kv_len, pairs):

@@ -218,7 +218,7 @@ def plan(
     if policy == "distca":
         s = layout.segments
         base = _finalize(layout, policy, s.doc, s.start, s.end, s.rank, **kw)
-        if move_gain(base, p) <= 0.0:
+        if p.loads.max() >= base.loads.max() or move_gain(base, p) <= 0.0:
             return base
     return p
 
@@ -228,9 +228,9 @@ def move_gain(base: Plan, p: Plan) -> float:
     server) minus what its bytes cost (``CostModel.link_byte_s`` per byte a server sends plus
     receives, forward + backward, on the busiest link).
 
-    ``plan(..., "distca")`` returns the colocated plan unless this is positive for its own plan:
-    it is never modelled slower than colocated, and it keeps every row home when moving does
-    not pay.
+    ``plan(..., "distca")`` returns the colocated plan unless its own plan has a lower max load
+    and this is positive: it is never modelled slower than colocated, and it keeps every row
+    home when moving does not pay.
     """
     cm = p.cost_model
     gain = (float(base.loads.max()) - float(p.loads.max())) * (1.0 + cm.bwd_factor)

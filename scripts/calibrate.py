@@ -4,6 +4,15 @@
     python scripts/calibrate.py --write               # and stores distca/data/cost_cpu.json
     python scripts/calibrate.py --device cuda --name h200 --dtype bf16 --heads 32 --kv-heads 8 --head-dim 128 --write
     python scripts/calibrate.py --refit calibration.json --name h200 --write   # refit stored measurements
+    python scripts/calibrate.py --link --write        # CA transport: link_byte_s of cost_cpu.json (2 gloo ranks)
+
+``--link`` measures the CA transport instead: 2 spawned gloo processes (1 thread each) exchange
+M MiB each way the way ``distca.exchange`` does (gather rows into one packed message,
+``all_to_all_single``, typed views out) for several M; ``link_byte_s`` is the slope of the
+slower rank's process CPU seconds (every thread: gloo's own included) per byte sent plus
+received. CPU time, not wall time: on a machine whose cores all compute, ping-pong can hide the
+wait but not the CPU the transport burns; on a GPU the copy engines and NICs do that work and the
+value is measured (or set) separately.
 
 Model (see distca/cost.py): t = task_s * tasks + q_token_s * sum(q) + kv_token_s * sum(kv)
 + pair_s * sum(pairs) + (pair_s * half_q) * sum(pairs / q), fitted by non-negative least
@@ -133,6 +142,66 @@ def fit(rows: list[dict], args: argparse.Namespace, desc: str) -> tuple[CostMode
     return cm, errs
 
 
+def _link_worker(rank: int, init: str, sizes_mib: list[int], repeats: int, queue) -> None:
+    import traceback
+
+    import torch.distributed as dist
+
+    from distca.exchange import _pack, _typed
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+        out = []
+        for mib in sizes_mib:
+            rows = mib * (1 << 20) // 1024  # rows of 1 KiB (fp32 [2, 128]) each way
+            n = 2 * rows  # half stays, half goes
+            x = torch.randn(n, 2, 128)
+            idx = torch.randperm(n)
+            best = float("inf")
+            for _ in range(repeats + 1):
+                dist.barrier()
+                c0 = time.process_time()
+                buf, specs = _pack((x,), idx)
+                recv = buf.new_empty(buf.shape)
+                dist.all_to_all_single(recv, buf, [rows, rows], [rows, rows])
+                _typed(recv, specs[0]).contiguous()
+                best = min(best, time.process_time() - c0)
+            out.append((mib, best))
+        dist.barrier()
+        dist.destroy_process_group()
+        queue.put((rank, out))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+
+
+def measure_link(sizes_mib: list[int] = (4, 16, 32), repeats: int = 3, timeout: float = 120.0) -> tuple[float, list]:
+    """(seconds per byte sent plus received, [(MiB each way, slower rank's CPU s)]) on 2 gloo ranks."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/link"
+        procs = [ctx.Process(target=_link_worker, args=(r, init, list(sizes_mib), repeats, queue)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        got = dict(queue.get(timeout=timeout) for _ in procs)
+        for p in procs:
+            p.join(timeout)
+    bad = [v for v in got.values() if isinstance(v, str)]
+    if bad:
+        raise RuntimeError("link measurement failed:\n" + "\n".join(bad))
+    points = [(m, max(c0, c1)) for (m, c0), (_, c1) in zip(got[0], got[1])]
+    mib = np.array([m for m, _ in points], dtype=np.float64)
+    cpu = np.array([c for _, c in points])
+    moved = 2 * mib * (1 << 20)  # bytes sent plus received per rank
+    slope = float(np.polyfit(moved, cpu, 1)[0])
+    return max(slope, 0.0), points
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -149,7 +218,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", action="store_true", help="store distca/data/cost_<name>.json")
     ap.add_argument("--out", default=None, help="also write the fit and measurements to this JSON file")
     ap.add_argument("--refit", default=None, help="fit the measurements stored in this JSON file (--out's, or gpu_check's calibration.json) instead of measuring")
+    ap.add_argument("--link", action="store_true", help="measure the CA transport (link_byte_s) instead of the kernel")
     args = ap.parse_args(argv)
+    if args.link:
+        slope, points = measure_link()
+        for mib, cpu in points:
+            print(f"{mib:>4} MiB each way: {cpu * 1e3:8.2f} ms CPU (slower rank)")
+        print(f"link_byte_s = {slope:.3e} s per byte sent plus received")
+        if args.write:
+            name = args.name or "cpu"
+            path = Path(__file__).resolve().parents[1] / "distca" / "data" / f"cost_{name}.json"
+            stored = json.loads(path.read_text())
+            stored["link_byte_s"] = slope
+            stored["link_source"] = (
+                f"scripts/calibrate.py --link on cpu, torch {torch.__version__}: pack + gloo all_to_all_single + "
+                f"unpack, 2 ranks x 1 thread, slope of CPU seconds over {[m for m, _ in points]} MiB each way"
+            )
+            path.write_text(json.dumps(stored, indent=2, sort_keys=True) + "\n")
+            print(f"wrote {path}")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]

@@ -203,14 +203,14 @@ def test_distca_with_min_shard_never_worse_than_colocated(lay):
     ours = plan(lay, "distca", min_shard=ms)
     check_exact_cover(ours)
     ms_eff = max(1, min(ms, lay.tokens_per_rank // 2))  # the cap for tiny ranks
-    for d, s, e, _ in ours.tasks.tolist():
-        assert e - s >= ms_eff or lay.doc_lens[d] < ms_eff
-    # Slivers joining neighbours and min_shard-sized cuts raise the max load by at
-    # most one min_shard chunk of the deepest document (the granularity price).
+    held = set(zip(lay.segments.doc.tolist(), lay.segments.start.tolist(), lay.segments.end.tolist()))
+    for d, s, e, _ in ours.tasks.tolist():  # no cut below min_shard; pieces as the ranks hold them may be
+        assert e - s >= ms_eff or lay.doc_lens[d] < ms_eff or (d, s, e) in held
+    # When balancing cannot beat colocated's modelled max load, the colocated plan is returned.
     colo = plan(lay, "colocated")
-    L = int(lay.doc_lens.max())
-    grain = float(ours.cost_model.task_time(max(0, L - ms_eff), L))
-    assert ours.loads.max() <= colo.loads.max() + grain + 1e-12
+    assert ours.loads.max() <= colo.loads.max()
+    if ours.loads.max() == colo.loads.max():
+        assert ours.tasks.tobytes() == colo.tasks.tobytes() and ours.policy == "distca"
 
 
 def test_balancer_scalar_time_matches_cost_model():

@@ -187,9 +187,9 @@ def _mesh_worker(rank, world):
     with torch.device("meta"):
         model = Transformer(args)
     conv.convert(model)
-    shape = conv.context.shape
+    shape = conv.planner.shape
     out["shape"] = (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes)
-    out["converter_ranks"] = dist.get_process_group_ranks(conv.context.group)
+    out["converter_ranks"] = dist.get_process_group_ranks(conv.planner.group)
     return out
 
 

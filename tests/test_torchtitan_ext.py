@@ -362,9 +362,9 @@ def test_end_to_end_logs_ca_metrics(two):
     ca = _CA.findall(log)
     assert [int(s) for s, *_ in ca] == list(range(1, _STEPS + 1)), log[-4000:]
     for _, before, after, policy, fwd_mib in ca:
-        # (No "after <= before": with ~35 tiny documents per window the distca planner's modelled
-        # imbalance is sometimes above colocated's, e.g. 1.228 vs 1.127; a planner matter.)
-        assert policy == "distca" and float(after) >= 1 and float(before) >= 1 and float(fwd_mib) >= 0
+        # distca never plans worse than colocated; when it cannot do better it moves nothing.
+        assert policy == "distca" and float(after) <= float(before)
+        assert float(fwd_mib) > 0 or after == before, (before, after, fwd_mib)
     assert re.search(rf"summary: {_STEPS} steps, [0-9.]+ s/step .*CA \(distca, group of 2\): imbalance", log)
 
 
