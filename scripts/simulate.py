@@ -68,7 +68,7 @@ TP_COLLECTIVES_PER_LAYER = 4
 before the MLP, reduce-scatter after O and after the MLP."""
 
 # Speedups the paper reports versus WLB-ideal (DistCA Figs. 9-10 via secondary summaries; see
-# /work/shared/notes/paper.md section 5). 3D = TP + DP (+ CA); 4D adds pipeline parallelism.
+# docs/simulator.md). 3D = TP + DP (+ CA); 4D adds pipeline parallelism.
 PAPER_3D = {"pretrain": (1.07, 1.20), "prolong": (1.05, 1.12)}
 PAPER_4D = {
     ("llama3-8b", "pretrain"): (1.15, 1.30),

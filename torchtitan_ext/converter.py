@@ -401,8 +401,8 @@ def _nano_block_forward(block, x, freqs_cis, attention_masks=None, positions=Non
         comm:     -        dispatch 0   dispatch 1   return 0     return 1
         compute:  pre 0    pre 1        attn 0       attn 1       post 0     post 1
 
-    Without it the nano-batches run one after the other (same math, nothing hidden).
-    Backward mirrors the forward (see ``distca.pingpong``).
+    Without it, or when neither nano-batch moves a row, the nano-batches run one after the
+    other (same math, nothing to hide). Backward mirrors the forward (see ``distca.pingpong``).
     """
     from distca import pingpong
 
@@ -424,7 +424,10 @@ def _nano_block_forward(block, x, freqs_cis, attention_masks=None, positions=Non
             kk, vv = torch.cat([kv_prev[0], k]), torch.cat([kv_prev[1], v])
         return pingpong.start(q, kk, vv, plan=step.plans[i], **kw), (k, v)
 
-    if step.pingpong:
+    # Interleave only when there is communication to hide: with every row home (the planner
+    # kept both nano-batches local) the sequential order is the same work with a smaller
+    # working set.
+    if step.pingpong and not all(p.meta is not None and p.meta.local_only for p in step.plans):
         f0, kv0 = start(0)
         f1, _ = start(1, kv0)
         pingpong.serve(f0)

@@ -2,7 +2,7 @@
 
 ``aten::_scaled_dot_product_flash_attention_for_cpu`` is the fastest CPU kernel
 that also returns the log-sum-exp, and its ``_backward`` twin takes that lse back
-(measured in /work/shared/notes/platform.md section 5). It works on
+(measured on our 2-core CPU machines against the math and efficient-attention paths). It works on
 ``[B, H, L, D]`` strided views, so each task is a view of the packed tensors and
 no input is copied. It supports GQA natively (``H_q % H_kv == 0``): dk/dv come
 back with ``H_kv`` heads, already summed over the query group.
