@@ -118,6 +118,12 @@ class DispatchMeta:
         return int(self.cu_seqlens_q.numel()) - 1
 
     @property
+    def moves_rows(self) -> bool:
+        """False when this rank neither sends nor serves an exchanged row: every row it holds is
+        served in place, and no other rank sends it anything (``local_only``)."""
+        return not (self.local_only and self.num_tasks == 0)
+
+    @property
     def q_recv_rows(self) -> int:
         return sum(self.q_recv_splits)
 

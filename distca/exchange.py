@@ -178,6 +178,8 @@ class Flight:
         """Home: start sending the exchanged tasks' Q rows [T, Hq, D] and K/V rows [kv_rows, Hkv, D]."""
         m = self.meta
         self._home = (q, k, v)
+        if not m.moves_rows:  # everything in place: no message at all
+            return
         self._msgs = (
             self._send((q,), m.q_send_idx, m.q_send_splits, m.q_recv_splits),
             self._send((k, v), m.kv_send_idx, m.kv_send_splits, m.kv_recv_splits),
@@ -192,6 +194,9 @@ class Flight:
         else:  # every row is served elsewhere; land() writes them all
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        self._home, self._result = (), (out, lse)
+        if not m.moves_rows:
+            return
         q_msg, kv_msg = self._msgs
         (qs,) = self._parts(q_msg, m.rows("q_recv_to_task"))
         ks, vs = self._views(kv_msg, m.rows("kv_task_idx"))
@@ -202,13 +207,12 @@ class Flight:
         if self.mode == "keep":
             self.stash = (qs, ks, vs, o, l)
         self._msgs = (self._send((o, l.t()), m.rows("q_task_to_recv"), m.q_recv_splits, m.q_send_splits),)
-        self._home, self._result = (), (out, lse)
 
     def land(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Home: wait for the returned rows; ``out`` [T, Hq, D] (q's dtype), ``lse`` [Hq, T] fp32."""
         m = self.meta
         out, lse = self._result
-        o, l = self._views(self._msgs[0], None)
+        o, l = self._views(self._msgs[0], None) if m.moves_rows else (out[:0], out[:0])
         if o.shape[0]:
             out.index_copy_(0, m.q_send_idx, o)
             lse.t().index_copy_(0, m.q_send_idx, l)
@@ -221,6 +225,8 @@ class Flight:
         """Home: start sending what the servers' backward needs (see the module docstring)."""
         m = self.meta
         self._home = (dout, q, k, v, out, lse)
+        if not m.moves_rows:
+            return
         if self.mode == "keep":
             self._msgs = (self._send((dout,), m.q_send_idx, m.q_send_splits, m.q_recv_splits), None)
         else:
@@ -241,6 +247,10 @@ class Flight:
             dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
             dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+        self._home, self._result = (), (dq, dk, dv)
+        if not m.moves_rows:
+            self.stash = ()
+            return
         q_msg, kv_msg = self._msgs
         rows = m.rows("q_recv_to_task")
         if self.mode == "keep":
@@ -263,7 +273,6 @@ class Flight:
             self._send((dqs,), m.rows("q_task_to_recv"), m.q_recv_splits, m.q_send_splits),
             self._send((dks, dvs), None, m.kv_recv_splits, m.kv_send_splits),
         )
-        self._home, self._result = (), (dq, dk, dv)
 
     def _sum_replicas(self, g: torch.Tensor) -> torch.Tensor:
         """Kernel dK or dV rows [Nk, Hkv, D] summed (fp32) over replicas into received rows [Nkv, Hkv, D]."""
@@ -277,6 +286,9 @@ class Flight:
         """Home: wait; ``dq`` [T, Hq, D], ``dk``, ``dv`` [kv_rows, Hkv, D], in the inputs' dtype."""
         m = self.meta
         dq, dk, dv = self._result
+        if not m.moves_rows:
+            self._result = ()
+            return dq, dk, dv
         dq_msg, dkv_msg = self._msgs
         (g,) = self._views(dq_msg, None)
         if g.shape[0]:
