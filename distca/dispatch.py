@@ -103,11 +103,6 @@ class DispatchMeta:
     identity: frozenset = frozenset()
     """Names of the index fields that are 0..n-1 over their whole source: gathering with them is a no-op."""
 
-    def take(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """``x[getattr(self, name)]``, without the copy when that index is the identity."""
-        # index_select, not x[idx]: on CPU the advanced-indexing kernel is 3-7x slower for row gathers.
-        return x if name in self.identity else torch.index_select(x, 0, getattr(self, name))
-
     def rows(self, name: str) -> torch.Tensor | None:
         """The index ``name``, or None where it is the identity (no gather)."""
         return None if name in self.identity else getattr(self, name)

@@ -212,11 +212,14 @@ class Flight:
         """Home: wait for the returned rows; ``out`` [T, Hq, D] (q's dtype), ``lse`` [Hq, T] fp32."""
         m = self.meta
         out, lse = self._result
-        o, l = self._views(self._msgs[0], None) if m.moves_rows else (out[:0], out[:0])
+        self._result = ()
+        if not m.moves_rows:
+            return out, lse
+        o, l = self._views(self._msgs[0], None)
         if o.shape[0]:
             out.index_copy_(0, m.q_send_idx, o)
             lse.t().index_copy_(0, m.q_send_idx, l)
-        self._msgs, self._result = (), ()
+        self._msgs = ()
         return out, lse
 
     # ---- backward (mirrored) -----------------------------------------------------------------

@@ -690,27 +690,16 @@ def _print_overhead(args: argparse.Namespace, rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     if args.overhead:
-        rows = run_overhead(args)
-        if args.json:
-            for row in rows:
-                print(json.dumps(row))
-        else:
-            _print_overhead(args, rows)
-        return
-    if args.dist:
-        rows = run_dist(args)
-        if args.json:
-            for row in rows:
-                print(json.dumps(row))
-        else:
-            _print_dist(rows)
-        return
-    rows = run(args)
+        rows, table = run_overhead(args), lambda: _print_overhead(args, rows)
+    elif args.dist:
+        rows, table = run_dist(args), lambda: _print_dist(rows)
+    else:
+        rows, table = run(args), lambda: _print_table(args, rows)
     if args.json:
         for row in rows:
             print(json.dumps(row))
     else:
-        _print_table(args, rows)
+        table()
 
 
 if __name__ == "__main__":

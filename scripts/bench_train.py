@@ -237,13 +237,12 @@ def _worker(args: argparse.Namespace) -> None:
         def post_dataloading_process(self, input_dict, labels):
             out = super().post_dataloading_process(input_dict, labels)
             name = self._config
-            plans = [p.plan for p in self._step_plans[-1].plans]
-            kw = dict(shape=plans[0].shape, cost_model=plans[0].cost_model)
+            stats = self._step_plans[-1].stats  # the planner's own numbers, one per nano-batch
             self._bench = {
                 "config": name,
-                "loads": np.sum([p.loads for p in plans], axis=0).tolist(),
-                "loads_colocated": np.sum([distca.plan(p.layout, "colocated", **kw).loads for p in plans], axis=0).tolist(),
-                "fwd_bytes_per_layer": int(sum(p.traffic.total_bytes for p in plans)),
+                "loads": np.sum([s.loads for s in stats], axis=0).tolist(),
+                "loads_colocated": np.sum([s.colocated_loads for s in stats], axis=0).tolist(),
+                "fwd_bytes_per_layer": int(sum(s.fwd_bytes for s in stats)),
             }
             return out
 

@@ -29,7 +29,8 @@ from torchtitan.components.validate import Validator  # noqa: E402
 from torchtitan.protocols import train_spec as ts  # noqa: E402
 
 from torchtitan_ext.train import TRAIN_SPEC, CoreAttentionTrainer, register_train_spec  # noqa: E402
-from torchtitan_ext.validate import CAValidator, pop_layout  # noqa: E402
+from torchtitan_ext.data import pop_layout  # noqa: E402
+from torchtitan_ext.validate import CAValidator  # noqa: E402
 
 
 class StepMask:

@@ -166,7 +166,8 @@ class CAPlanner:
     """Plans the micro-batches of one CA group; found on the converted model with :func:`planner_of`.
 
     :meth:`plan` is pure (numpy; safe in a planning thread); :meth:`bind` runs on the
-    training thread (one small all-reduce that checks every rank planned the same).
+    training thread, without a collective (the plans' cross-rank check joins the agreement of
+    their first ``core_attention`` call).
     """
 
     cfg: CoreAttention
@@ -241,7 +242,7 @@ class CAPlanner:
         return p, meta, stats
 
     def bind(self, planned: PlannedBatch, waited: float = 0.0) -> StepPlan:
-        """The :class:`StepPlan` of a planned micro-batch (collective: every rank of the group).
+        """The :class:`StepPlan` of a planned micro-batch; every rank of the group binds its own.
 
         ``waited``: seconds the caller already waited for ``planned`` (exposed planning).
         """

@@ -51,6 +51,7 @@ __all__ = [
     # constants
     "DATASETS",
     "LAYOUT_KEYS",
+    "pop_layout",
     "IGNORE_INDEX",
     "TOKENIZER_PATH",
     # streams
@@ -76,6 +77,20 @@ logger = logging.getLogger(__name__)
 LAYOUT_KEYS = ("cu_seqlens", "cu_seqlens_1", "context_1")
 """Item keys that describe the step's CA layout (per nano-batch). Each item also carries the
 next step's under ``next_<key>``, so its plan can be made while this step computes."""
+
+
+
+def pop_layout(item: dict, prefix: str = "") -> "tuple[list[torch.Tensor], list[torch.Tensor | None]] | None":
+    """Remove one step's layout keys (``prefix`` + :data:`LAYOUT_KEYS`) from an item's input dict;
+    returns (cu_seqlens per nano-batch, contexts per nano-batch: None, then ``context_1``), or
+    None if the item has none."""
+    got = {k: item.pop(prefix + k) for k in LAYOUT_KEYS if prefix + k in item}
+    if "cu_seqlens" not in got:
+        return None
+    cus = [got["cu_seqlens"], *([got["cu_seqlens_1"]] if "cu_seqlens_1" in got else [])]
+    # Nano-batch 1 may continue documents of nano-batch 0 (nano_rank_batch).
+    return cus, [None, *([got.get("context_1")] if len(cus) > 1 else [])]
+
 
 IGNORE_INDEX = -100
 """Label of a token whose next token is not in its document (torchtitan's cross-entropy ignore index)."""

@@ -33,7 +33,8 @@ from torchtitan.train import Trainer, main  # noqa: E402
 from torchtitan_ext import data  # noqa: E402
 from torchtitan_ext.config import nano_batches, validate  # noqa: E402
 from torchtitan_ext.converter import StepPlan, planner_of  # noqa: E402
-from torchtitan_ext.validate import build_ca_validator, pop_layout  # noqa: E402
+from torchtitan_ext.data import pop_layout  # noqa: E402
+from torchtitan_ext.validate import build_ca_validator  # noqa: E402
 
 __all__ = ["CoreAttentionTrainer", "build_dataloader", "parallelize", "register_train_spec", "TRAIN_SPEC"]
 
@@ -118,8 +119,9 @@ class CoreAttentionTrainer(Trainer):
 
     Planning ahead: the CA loader gives each item the next step's layout too, so when item n is
     drawn, a planning thread starts on item n + 1's plan (pure numpy: the planner and this rank's
-    dispatch metadata). By the time item n + 1 runs its plan is ready; the training thread pays
-    one small all-reduce that checks every rank planned the same (``ca/exposed_plan_ms``).
+    dispatch metadata). By the time item n + 1 runs its plan is ready; the training thread only
+    binds it (no collective: the cross-rank check joins the first layer's agreement), and
+    ``ca/exposed_plan_ms`` is what it waited plus binding.
 
     With core attention off it only drops the loader's extra keys (``positions``,
     ``cu_seqlens``, ...), so the model runs exactly as upstream torchtitan's.
@@ -147,8 +149,8 @@ class CoreAttentionTrainer(Trainer):
         self.ca = planner_of(self.model_parts)
         self.run_stats = _RunStats()
         self._planning = ThreadPoolExecutor(1, thread_name_prefix="distca-plan") if self.ca is not None else None
-        self._ahead: dict[tuple, Future] = {}
-        """Layout key -> planning future, for the items not drawn yet (at most one)."""
+        self._ahead: tuple[tuple, Future] | None = None
+        """(layout key, planning future) of the next item, planned before it is drawn."""
         self._step_plans: list[StepPlan] = []
         """This step's micro-batch plans, dropped (freeing the plans) when the step is logged."""
 
@@ -161,13 +163,14 @@ class CoreAttentionTrainer(Trainer):
                 continue
             now, ahead = pop_layout(input_dict), pop_layout(input_dict, "next_")
             if now is not None:
-                key = _layout_key(*now)
-                fut = self._ahead.pop(key, None)
-                self._ahead.clear()  # a stale guess (e.g. after a checkpoint load) is dropped
-                if fut is None:
+                guess, self._ahead = self._ahead, None
+                # A stale guess (e.g. after a checkpoint load) is dropped.
+                if guess is not None and guess[0] == _layout_key(*now):
+                    fut = guess[1]
+                else:
                     fut = self._planning.submit(self.ca.plan, *now)
                 if ahead is not None:
-                    self._ahead[_layout_key(*ahead)] = self._planning.submit(self.ca.plan, *ahead)
+                    self._ahead = (_layout_key(*ahead), self._planning.submit(self.ca.plan, *ahead))
                 # Not a tensor: torchtitan's move to the device leaves it alone.
                 input_dict["ca_planned"] = fut
             yield input_dict, labels

@@ -23,20 +23,10 @@ from torch import nn
 from torchtitan.components.validate import BaseValidator, Validator
 
 from torchtitan_ext import data
+from torchtitan_ext.data import pop_layout
 from torchtitan_ext.converter import planner_of
 
-__all__ = ["CAValidator", "build_ca_validator", "pop_layout"]
-
-
-def pop_layout(input_dict: dict, prefix: str = "") -> "tuple[list, list] | None":
-    """Remove one step's layout keys (``prefix`` + :data:`torchtitan_ext.data.LAYOUT_KEYS`) from
-    ``input_dict``; returns (cu_seqlens per nano-batch, contexts per nano-batch), or None."""
-    cus = [input_dict.pop(k) for k in (f"{prefix}cu_seqlens", f"{prefix}cu_seqlens_1") if k in input_dict]
-    if not cus:
-        return None
-    # Nano-batch 1 may continue documents of nano-batch 0 (data.nano_rank_batch).
-    contexts = [None] + [input_dict.pop(f"{prefix}context_1", None) for _ in cus[1:]]
-    return cus, contexts
+__all__ = ["CAValidator", "build_ca_validator"]
 
 
 class CAValidator(Validator):
