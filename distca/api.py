@@ -123,8 +123,12 @@ def prepare(
     err = None
     if context and isinstance(plan_or_cu_seqlens, (Plan, Layout)):
         p, err = None, "context is for cu_seqlens; a Plan or Layout carries its own (Layout.context)"
+    elif verify not in ("now", "first_use"):
+        p, err = None, f'verify must be "now" or "first_use", got {verify!r}'
     elif dispatch is not None and not isinstance(plan_or_cu_seqlens, Plan):
         p, err = None, "dispatch is for a Plan (its prebuilt metadata)"
+    elif dispatch is not None and not isinstance(dispatch, DispatchMeta):
+        p, err = None, f"dispatch must be a distca.dispatch.DispatchMeta, got {type(dispatch).__name__}"
     elif isinstance(plan_or_cu_seqlens, Plan):
         p = plan_or_cu_seqlens
         if p.layout.ranks != R:
@@ -150,10 +154,9 @@ def prepare(
             p = make_plan(Layout(tuple(cu.tolist()), R, T, tuple(map(tuple, context))), policy, **plan_kwargs)
         except (ValueError, TypeError) as e:
             err, p = str(e), None
-    if verify not in ("now", "first_use"):
-        raise ValueError(f'verify must be "now" or "first_use", got {verify!r}')
     digest = int(p.digest()[:15], 16) if p is not None else 0
-    if verify == "now":
+    # A bad verify joins an agreement too: its fields pair with a peer's prepare or first layer.
+    if verify != "first_use":
         agree(pg, torch.device("cpu"), err, _fields(digest))
     key = next(_IDS)
     meta = None if err is not None else dispatch if dispatch is not None else build_dispatch(p, rank)

@@ -201,9 +201,10 @@ def plan(
     shape = _resolve_shape(shape)
     cm = _resolve_cost(cost_model, shape)
 
+    s = layout.segments
+    held = (s.doc, s.start, s.end, s.rank)  # the colocated plan: every piece served where it lives
     if policy == "colocated":
-        s = layout.segments
-        cols = (s.doc, s.start, s.end, s.rank)
+        cols = held
     elif policy == "per_doc_cp":
         cols = _plan_per_doc_cp(layout, min_shard)
     elif policy == "greedy":
@@ -216,8 +217,7 @@ def plan(
     )  # fmt: skip
     p = _finalize(layout, policy, *cols, **kw)
     if policy == "distca":
-        s = layout.segments
-        base = _finalize(layout, policy, s.doc, s.start, s.end, s.rank, **kw)
+        base = _finalize(layout, policy, *held, **kw)
         if p.loads.max() >= base.loads.max() or move_gain(base, p) <= 0.0:
             return base
     return p

@@ -110,6 +110,16 @@ def _errors_worker(rank, world):
     dpc = distca.prepare(cu, context=((0, 3, 2 * T),))
     expect("context_kv_rows", lambda: distca.core_attention(q, k, v, None, plan=dpc))
     expect("context_bad", lambda: distca.prepare(cu, context=((0, 3, 2 * T + 1),) if rank == 0 else ((0, 3, 2 * T),)))
+    # verify="first_use": no collective in prepare; its checks join the first layer's agreement.
+    def first_use(cu_r, verify="first_use", **kw):
+        return lambda: distca.core_attention(q, k, v, None, plan=distca.prepare(cu_r, verify=verify, **kw))
+
+    expect("first_use_differs", first_use(other))
+    expect("verify_bad", first_use(cu, verify="later") if rank == 1 else first_use(cu))
+    from distca.dispatch import build_dispatch
+
+    p_cu = distca.plan(distca.Layout(tuple(cu), world, T))
+    expect("dispatch_rank", first_use(p_cu, dispatch=build_dispatch(p_cu, (rank + 1) % world if rank == 0 else rank)))
     out_c = distca.core_attention(q, torch.cat([k, k]), torch.cat([v, v]), None, plan=dpc)
     assert out_c.shape == q.shape and torch.isfinite(out_c).all()
     # Nothing was half-changed: a valid call still works and is deterministic.
@@ -125,7 +135,8 @@ def _errors_worker(rank, world):
 def test_bad_input_raises_on_every_rank_without_hanging():
     world = 2
     res = run_workers(_errors_worker, world, timeout=120)
-    for name in ("cu_differs", "T_differs", "gqa", "dtype", "ranks", "cu_mismatch", "context_kv_rows", "context_bad"):
+    for name in ("cu_differs", "T_differs", "gqa", "dtype", "ranks", "cu_mismatch", "context_kv_rows", "context_bad",
+                 "first_use_differs", "verify_bad", "dispatch_rank"):  # fmt: skip
         for r in range(world):
             assert res[r][name] is not None, f"rank {r} did not raise for {name}"
     assert "differ across the ranks" in res[0]["cu_differs"]
@@ -136,6 +147,9 @@ def test_bad_input_raises_on_every_rank_without_hanging():
     assert "cu_seqlens differ from the layout" in res[0]["cu_mismatch"]
     assert "k has 16 rows but the plan needs 32" in res[0]["context_kv_rows"] and "cat([k_prev, k])" in res[1]["context_kv_rows"]
     assert "context[0]: need 1 <= tokens <= end <= R*T" in res[0]["context_bad"] and "another rank" in res[1]["context_bad"]
+    assert "differ across the ranks" in res[0]["first_use_differs"]
+    assert 'verify must be "now" or "first_use", got \'later\'' in res[1]["verify_bad"] and "another rank" in res[0]["verify_bad"]
+    assert "dispatch was built for rank 1 of 2; this is rank 0 of 2" in res[0]["dispatch_rank"] and "another rank" in res[1]["dispatch_rank"]
 
 
 def _dtensor_worker(rank, world):
