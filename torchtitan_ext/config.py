@@ -14,7 +14,7 @@ from typing import Literal, get_args
 
 from distca.planner import POLICIES
 
-__all__ = ["CoreAttention", "JobConfig", "nano_batches", "validate"]
+__all__ = ["CoreAttention", "JobConfig", "TICK_SCHEDULE", "nano_batches", "validate", "validate_job"]
 
 Policy = Literal["distca", "greedy", "per_doc_cp", "colocated"]
 Mode = Literal["resend", "keep"]
@@ -27,12 +27,20 @@ class CoreAttention:
     (needs ``[model] converters = ["core_attention"]`` and the torchtitan_ext trainer)."""
 
     degree: int = -1
-    """Ranks in the "ca" mesh dimension: each group of ``degree`` data-parallel ranks
-    shares one token stream of ``degree * seq_len`` tokens and balances its core
+    """Data-parallel ranks in the "ca" mesh dimension: each group of ``degree`` data-parallel
+    ranks shares one token stream of ``degree * seq_len`` tokens and balances its core
     attention. -1: all data-parallel ranks. Must divide the data-parallel size.
     With tensor parallelism a CA group is ``degree`` data-parallel ranks that hold the
     same TP rank, so there are ``tensor_parallel_degree`` groups per stream, one per
-    TP rank, each dispatching that rank's attention heads."""
+    TP rank, each dispatching that rank's attention heads. With pipeline parallelism see
+    ``across_stages``."""
+
+    across_stages: bool = True
+    """With ``pipeline_parallel_degree = pp > 1``: true (the paper's 4D setting) makes one CA group
+    of ``degree * pp`` ranks, the ``degree`` data-parallel ranks of every stage, planned once per
+    pipeline tick over the micro-batches all stages hold in that tick (needs
+    ``pipeline_parallel_schedule = "TickGPipe"``, see ``docs/pipeline.md``); false keeps each
+    stage's group to its own ``degree`` data-parallel ranks (any single-stage schedule)."""
 
     policy: Policy = "distca"
     """Planner policy (``distca.plan``): "distca" (ours), "greedy" (the paper's
@@ -97,7 +105,18 @@ def nano_batches(cfg: CoreAttention) -> int:
     return n
 
 
-def validate(cfg: CoreAttention, *, dp_size: int, cp_degree: int = 1, tp_degree: int = 1, pp_degree: int = 1) -> int:
+TICK_SCHEDULE = "TickGPipe"
+"""``[parallelism] pipeline_parallel_schedule`` of the tick-synchronous pipeline schedule
+(:mod:`torchtitan_ext.pipeline`): every stage runs the same phase in each tick, so one CA
+group can span the pipeline stages."""
+
+_SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B", TICK_SCHEDULE)
+
+
+def validate(
+    cfg: CoreAttention, *, dp_size: int, cp_degree: int = 1, tp_degree: int = 1, pp_degree: int = 1,
+    pp_schedule: str = TICK_SCHEDULE, ac_mode: str = "none",
+) -> int:  # fmt: skip
     """Check ``[core_attention]`` against the job's parallelism; return the CA degree.
 
     Args:
@@ -105,7 +124,13 @@ def validate(cfg: CoreAttention, *, dp_size: int, cp_degree: int = 1, tp_degree:
         dp_size: data-parallel size (dp_replicate * dp_shard) of the job.
         cp_degree, tp_degree, pp_degree: torchtitan's other parallel degrees. Tensor
             parallelism composes (each TP rank dispatches its own heads) except with
-            nano-batches; context and pipeline parallelism are rejected.
+            nano-batches and with pipeline parallelism; context parallelism is rejected.
+        pp_schedule: ``parallelism.pipeline_parallel_schedule`` (read when ``pp_degree > 1``).
+        ac_mode: ``activation_checkpoint.mode`` (read when a CA group spans pipeline stages).
+
+    Returns:
+        Data-parallel ranks per CA group (with ``across_stages`` under pipeline parallelism the
+        group is this many ranks of every stage).
 
     Raises:
         ValueError: with the offending key, its value, the rule and the remedy.
@@ -132,12 +157,6 @@ def validate(cfg: CoreAttention, *, dp_size: int, cp_degree: int = 1, tp_degree:
             "CAD already splits long documents across the ranks of its group; set "
             "context_parallel_degree = 1 (and use core_attention.degree instead)"
         )
-    if pp_degree > 1:
-        raise ValueError(
-            f"core_attention.enable=true cannot be combined with parallelism.pipeline_parallel_degree={pp_degree}: "
-            "CAD composes with data parallelism (FSDP/HSDP) and tensor parallelism only; set "
-            "pipeline_parallel_degree = 1"
-        )
     if tp_degree > 1 and n_nano > 1:
         raise ValueError(
             f"core_attention.nano_batches={cfg.nano_batches} (pingpong={str(cfg.pingpong).lower()}, resolved to "
@@ -146,10 +165,78 @@ def validate(cfg: CoreAttention, *, dp_size: int, cp_degree: int = 1, tp_degree:
             "tensor/sequence-parallel input and output redistribution on block.attention and block.feed_forward; "
             "set core_attention.nano_batches = 1 and pingpong = false, or tensor_parallel_degree = 1"
         )
+    if pp_degree > 1:
+        return _validate_pp(cfg, dp_size, tp_degree, pp_degree, pp_schedule, ac_mode, n_nano)
+    return _dp_degree(cfg, dp_size)
+
+
+def _validate_pp(cfg: CoreAttention, dp_size: int, tp: int, pp: int, schedule: str, ac_mode: str, n_nano: int) -> int:
+    if n_nano > 1:
+        raise ValueError(
+            f"core_attention.nano_batches={cfg.nano_batches} (pingpong={str(cfg.pingpong).lower()}) cannot be "
+            f"combined with parallelism.pipeline_parallel_degree={pp}: the pipeline schedule runs whole "
+            "micro-batches; set core_attention.pingpong = false and nano_batches = -1 or 1"
+        )
+    if tp > 1:
+        raise ValueError(
+            f"core_attention.enable=true with parallelism.pipeline_parallel_degree={pp} cannot also use "
+            f"parallelism.tensor_parallel_degree={tp}: CAD under pipeline parallelism is built for "
+            "tensor_parallel_degree = 1 (set it to 1, or pipeline_parallel_degree = 1 to combine CAD with TP)"
+        )
+    if schedule not in _SINGLE_STAGE_SCHEDULES:
+        raise ValueError(
+            f"core_attention.enable=true cannot run under parallelism.pipeline_parallel_schedule={schedule!r}: "
+            f"CAD needs every data-parallel rank of a stage to call core attention in the same order, which "
+            f"single-stage schedules do; use one of {list(_SINGLE_STAGE_SCHEDULES)} (interleaved, zero-bubble "
+            "and DualPipeV schedules are not supported)"
+        )
+    if not isinstance(cfg.across_stages, bool):
+        raise ValueError(f"core_attention.across_stages={cfg.across_stages!r} must be true or false")
+    if cfg.across_stages and schedule != TICK_SCHEDULE:
+        raise ValueError(
+            f"core_attention.across_stages=true (one CA group over the {pp} pipeline stages) needs every stage "
+            f"to call core attention in the same tick: set parallelism.pipeline_parallel_schedule = "
+            f"{TICK_SCHEDULE!r} (got {schedule!r}), or core_attention.across_stages = false"
+        )
+    if cfg.across_stages and ac_mode != "none":
+        raise ValueError(
+            f'core_attention.across_stages=true cannot be combined with activation_checkpoint.mode="{ac_mode}": '
+            "recomputed forwards would call core attention on the active stages only, out of step with the "
+            'idle stages that serve them; set activation_checkpoint.mode = "none" (or across_stages = false)'
+        )
+    degree = _dp_degree(cfg, dp_size)
+    if cfg.across_stages and degree != dp_size:
+        raise ValueError(
+            f"core_attention.across_stages=true makes one CA group of every data-parallel rank of every stage; "
+            f"core_attention.degree={cfg.degree} must then be -1 or the data-parallel size {dp_size} (or set "
+            "across_stages = false for groups inside each stage)"
+        )
+    return degree
+
+
+def _dp_degree(cfg: CoreAttention, dp_size: int) -> int:
     degree = dp_size if cfg.degree == -1 else cfg.degree
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1 or dp_size % degree:
         raise ValueError(
             f"core_attention.degree={cfg.degree} must divide the data-parallel size {dp_size} "
             f"(valid: -1 or one of {[d for d in range(1, dp_size + 1) if dp_size % d == 0]})"
+        )
+    return degree
+
+
+def validate_job(cfg: CoreAttention, job_config, dp_size: int) -> int:
+    """:func:`validate` with the parallelism, schedule and activation checkpointing of a torchtitan
+    ``JobConfig``; also rejects validation with a CA group across pipeline stages."""
+    p = job_config.parallelism
+    degree = validate(
+        cfg, dp_size=dp_size, cp_degree=p.context_parallel_degree, tp_degree=p.tensor_parallel_degree,
+        pp_degree=p.pipeline_parallel_degree, pp_schedule=p.pipeline_parallel_schedule,
+        ac_mode=job_config.activation_checkpoint.mode,
+    )  # fmt: skip
+    val = getattr(job_config, "validation", None)
+    if cfg.enable and p.pipeline_parallel_degree > 1 and val is not None and val.enable:
+        raise ValueError(
+            f"validation.enable=true is not supported with core_attention.enable=true and "
+            f"parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}; set validation.enable = false"
         )
     return degree

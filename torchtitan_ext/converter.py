@@ -56,11 +56,11 @@ from torch import nn
 import distca
 from distca.cost import CostModel, ModelShape, load_cost_model
 from distca.dispatch import build_dispatch
-from torchtitan_ext.config import CoreAttention, nano_batches, validate
+from torchtitan_ext.config import CoreAttention, nano_batches, validate_job
 
 __all__ = [
     "CAPlanner", "CoreAttentionConverter", "CoreAttentionModule", "PlannedBatch", "StepPlan", "StepStats",
-    "build_ca_mesh", "planner_of",
+    "build_ca_mesh", "planner_of", "tick_layouts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,38 @@ class PlannedBatch:
     """This rank's planning error (raised on every rank of the group by :meth:`CAPlanner.bind`'s plans)."""
 
 
+def tick_layouts(cu_seqlens: "list[torch.Tensor]", stages: int, ranks: int, tokens_per_rank: int) -> list["distca.Layout"]:
+    """The forward ticks' layouts of a CA group spanning ``stages`` pipeline stages (pure).
+
+    ``cu_seqlens[m]`` is micro-batch ``m``'s layout over one stage's ``ranks`` ranks. Group rank
+    ``s * ranks + j`` holds rank ``j``'s rows of micro-batch ``t - s`` in tick ``t``, or
+    placeholder rows (one padding document per rank, ``distca.Layout.padding``) when stage ``s``
+    is idle; documents never cross stages. Returns ``M + stages - 1`` layouts.
+
+    Example:
+        >>> [(lay.cu_seqlens, lay.padding) for lay in tick_layouts([[0, 3, 4], [0, 4]], 2, 1, 4)]
+        [((0, 3, 4, 8), (2,)), ((0, 4, 8), ()), ((0, 4, 8), (0,))]
+    """
+    cus = [torch.as_tensor(c).reshape(-1).tolist() for c in cu_seqlens]
+    span = ranks * tokens_per_rank
+    for m, cu in enumerate(cus):
+        if cu[-1] != span:
+            raise ValueError(f"micro-batch {m}'s cu_seqlens ends at {cu[-1]}, not ranks * tokens_per_rank = {span}")
+    out = []
+    for t in range(len(cus) + stages - 1):
+        bounds, padding = [0], []
+        for s in range(stages):
+            base = s * span
+            if 0 <= t - s < len(cus):
+                bounds.extend(base + x for x in cus[t - s][1:])
+            else:
+                for j in range(ranks):
+                    padding.append(len(bounds) - 1)
+                    bounds.append(base + (j + 1) * tokens_per_rank)
+        out.append(distca.Layout(tuple(bounds), stages * ranks, tokens_per_rank, padding=tuple(padding)))
+    return out
+
+
 class StepPlan:
     """One micro-batch's core attention plans: what the model receives as ``attention_masks``.
 
@@ -139,8 +171,21 @@ class StepPlan:
         self.exposed_plan_seconds = exposed_plan_seconds
         self.attn_events: list = []
 
+    @classmethod
+    def shapes_only(cls) -> "StepPlan":
+        """A plan-less StepPlan for torch pipelining's one-off shape inference (a real forward and
+        backward per stage, one stage after the other): core attention then returns zeros of the
+        right shape without communicating, so the stages don't wait on each other."""
+        return cls((), ())
+
     def __repr__(self) -> str:
         return f"StepPlan({len(self.plans)} plan(s), mode={self.mode!r}, pingpong={self.pingpong})"
+
+    def part(self, i: int) -> "StepPlan":
+        """Plan ``i`` alone (a pipeline micro-batch's or tick's), recording into the same timings."""
+        sp = StepPlan(self.plans[i : i + 1], self.stats[i : i + 1], self.mode, False, 0.0)
+        sp.attn_events = self.attn_events
+        return sp
 
     def attention_seconds(self) -> tuple[float, float] | None:
         """(forward, backward) seconds of core attention, or None when nothing was timed
@@ -174,9 +219,16 @@ class CAPlanner:
     mesh: "torch.distributed.device_mesh.DeviceMesh"
     """The ("ca_outer", "ca"[, "ca_tp"]) mesh; core attention runs over its "ca" dim."""
     degree: int
+    """Data-parallel ranks per CA group (per stage when the group spans pipeline stages)."""
     rank: int
-    """This rank's index in its CA group."""
+    """This rank's index in its CA group (stage-major when it spans stages: ``stage * degree + j``)."""
     nano_batches: int = 1
+    microbatches: int = 1
+    """Pipeline micro-batches per item (one layout each); 1 without pipeline parallelism."""
+    stages: int = 1
+    """Pipeline stages the CA group spans (``core_attention.across_stages``); 1: a group per stage."""
+    stage: int = 0
+    """This rank's pipeline stage."""
     shape: ModelShape | None = None
     """Attention shape for the planner's bytes model (set by the converter)."""
     cost_model: CostModel | None = None
@@ -185,23 +237,49 @@ class CAPlanner:
     def group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("ca")
 
+    @property
+    def size(self) -> int:
+        """Ranks in the CA group."""
+        return self.degree * self.stages
+
+    @property
+    def tick_offset(self) -> int:
+        """Micro-batch ``m`` of this stage runs with plan ``m + tick_offset`` of its item: the plans
+        are per forward tick when the group spans stages (stage ``s`` runs micro-batch ``t - s`` in
+        tick ``t``), else per micro-batch."""
+        return self.stage if self.stages > 1 else 0
+
+    def __deepcopy__(self, memo) -> "CAPlanner":
+        # torchtitan's pipeline split deep-copies the model per stage; the planner (config, mesh,
+        # process groups) is shared, not copied.
+        return self
+
     def plan(
         self, cu_seqlens: "list[torch.Tensor]", contexts: "list[torch.Tensor | None] | None" = None
     ) -> PlannedBatch:
-        """Plan one micro-batch: one ``cu_seqlens`` (the group's global layout, a CPU tensor) per
-        nano-batch, and for each nano-batch the documents it continues from the previous one
-        (``distca.Layout.context`` as an int tensor [k, 3], or None). Pure."""
+        """Plan one item: one ``cu_seqlens`` (the group's global layout, a CPU tensor) per nano-batch
+        or pipeline micro-batch, and for each nano-batch the documents it continues from the previous
+        one (``distca.Layout.context`` as an int tensor [k, 3], or None). Pure.
+
+        When the group spans ``stages`` pipeline stages the plans are per forward tick
+        (``microbatches + stages - 1`` of them, :func:`tick_layouts`), else one per layout."""
         cus = list(cu_seqlens)
-        if len(cus) != self.nano_batches:
+        want = self.microbatches if self.microbatches > 1 else self.nano_batches
+        if len(cus) != want:
+            what = "pipeline micro-batch" if self.microbatches > 1 else "nano-batch"
             raise ValueError(
-                f"expected {self.nano_batches} cu_seqlens (one per nano-batch), got {len(cus)}: the data "
-                "loader and core_attention.nano_batches disagree"
+                f"expected {want} cu_seqlens (one per {what}), got {len(cus)}: the data loader and the "
+                "job's core_attention.nano_batches / training.local_batch_size disagree"
             )
         ctxs = list(contexts) if contexts is not None else [None] * len(cus)
         if len(ctxs) != len(cus):
-            raise ValueError(f"expected one context per nano-batch ({len(cus)}), got {len(ctxs)}")
+            raise ValueError(f"expected one context per layout ({len(cus)}), got {len(ctxs)}")
         try:
-            out = [self._plan_one(cu, c) for cu, c in zip(cus, ctxs)]
+            if self.stages > 1:
+                T = int(torch.as_tensor(cus[0]).reshape(-1)[-1]) // self.degree
+                out = [self._plan_layout(lay) for lay in tick_layouts(cus, self.stages, self.degree, T)]
+            else:
+                out = [self._plan_one(cu, c) for cu, c in zip(cus, ctxs)]
         except (ValueError, TypeError) as e:  # the planner rejected this rank's layout
             return PlannedBatch((), (), (), (cus, ctxs), str(e))
         return PlannedBatch(*(tuple(x) for x in zip(*out)), (cus, ctxs))
@@ -220,9 +298,11 @@ class CAPlanner:
         return () if context is None else tuple(map(tuple, torch.as_tensor(context).reshape(-1, 3).tolist()))
 
     def _plan_one(self, cu_seqlens: torch.Tensor, context: "torch.Tensor | None"):
-        t0 = time.perf_counter()
         cu = torch.as_tensor(cu_seqlens).reshape(-1).tolist()
-        lay = distca.Layout(tuple(cu), self.degree, cu[-1] // self.degree, self._context(context))
+        return self._plan_layout(distca.Layout(tuple(cu), self.degree, cu[-1] // self.degree, self._context(context)))
+
+    def _plan_layout(self, lay: "distca.Layout"):
+        t0 = time.perf_counter()
         kw = self._plan_kwargs()
         p = distca.plan(lay, self.cfg.policy, **kw)
         kw.pop("capacity_bytes", None)
@@ -235,7 +315,7 @@ class CAPlanner:
             bwd_bytes=p.traffic.total_bwd_bytes,
             max_server_bytes=p.traffic.max_server_bytes,
             plan_seconds=time.perf_counter() - t0,
-            num_docs=lay.num_docs,
+            num_docs=lay.num_docs - len(lay.padding),
             colocated_loads=tuple(base.loads.tolist()),
             loads=tuple(p.loads.tolist()),
         )
@@ -254,6 +334,10 @@ class CAPlanner:
             )
         else:  # prepare again to record the error; the first layer raises it on every rank
             cus, ctxs = planned.inputs
+            logger.error("core_attention: planning failed on this rank: %s", planned.error)
+            if self.stages > 1:  # every tick's plan fails (on a layout of the wrong size: any error will do)
+                n = len(cus) + self.stages - 1
+                cus, ctxs = [cus[0]] * n, [None] * n
             dps = tuple(
                 distca.prepare(cu, self.mesh, context=self._context(c), policy=self.cfg.policy, verify="first_use",
                                **self._plan_kwargs())
@@ -333,6 +417,8 @@ class CoreAttentionModule(nn.Module):
                 f"core_attention needs the micro-batch's StepPlan as attention_masks, got {type(step).__name__}: "
                 "run training with `python -m torchtitan_ext.train`, whose trainer and validator plan every batch"
             )
+        if not step.plans:  # StepPlan.shapes_only(): torch pipelining's shape inference
+            return q * 0.0
         timed = not torch.compiler.is_compiling() and torch.is_grad_enabled()
         if timed:
             box = {"step": step}
@@ -448,29 +534,37 @@ def _nano_block_forward(block, x, freqs_cis, attention_masks=None, positions=Non
 # ---- mesh and converter ----------------------------------------------------------------------
 
 
-def build_ca_mesh(parallel_dims, degree: int):
-    """Unflatten torchtitan's 1-D world mesh into ("ca_outer", "ca"[, "ca_tp"]) with "ca" of size ``degree``.
+def build_ca_mesh(parallel_dims, degree: int, across_stages: bool = False):
+    """Unflatten torchtitan's 1-D world mesh into ("ca_outer", "ca"[, "ca_tp"]) with "ca" of
+    ``degree`` ranks, times the pipeline stages with ``across_stages``.
 
     torchtitan 0.2.2's ``ParallelDims`` has a fixed set of dimensions and no hook
     for another one, so the CA dimension is carved from its world mesh the same
     way torchtitan carves its own (``DeviceMesh._unflatten``). torchtitan lays the
     world out as ("pp", "batch", "cp", "tp"), TP innermost: world rank
-    ``b * tp + t`` is batch rank ``b``, TP rank ``t`` (pp = cp = 1, checked by
-    :func:`torchtitan_ext.config.validate`). Without TP the mesh is
-    ``(W // degree, degree)`` and CA group ``g`` is ranks ``[g*degree, (g+1)*degree)``.
-    With TP it is ``(W // (degree * tp), degree, tp)`` named ("ca_outer", "ca",
-    "ca_tp"): the "ca" group of a rank is the ``degree`` consecutive batch ranks
-    ``[g*degree, (g+1)*degree)`` of its block that hold the same TP rank (the same
-    attention heads), e.g. dp 2 x tp 2, degree 2: {0, 2} and {1, 3}.
+    ``(s * dp + b) * tp + t`` is stage ``s``, batch rank ``b``, TP rank ``t`` (cp = 1,
+    checked by :func:`torchtitan_ext.config.validate`). Without TP the mesh is
+    ``(W // degree, degree)`` and CA group ``g`` is ranks ``[g*degree, (g+1)*degree)``:
+    ``degree`` consecutive batch ranks of one stage. With TP it is
+    ``(W // (degree * tp), degree, tp)`` named ("ca_outer", "ca", "ca_tp"): the "ca" group
+    of a rank is the ``degree`` consecutive batch ranks ``[g*degree, (g+1)*degree)`` of its
+    block that hold the same TP rank (the same attention heads), e.g. dp 2 x tp 2, degree 2:
+    {0, 2} and {1, 3}. With ``across_stages`` (``degree`` = all ``dp`` batch ranks) the "ca"
+    dim is every (stage, batch rank) pair, stage-major: CA rank ``s * dp + b``.
     """
-    if getattr(parallel_dims, "pp", 1) > 1 or getattr(parallel_dims, "cp", 1) > 1:
-        raise ValueError(
-            f"the CA mesh needs pipeline_parallel_degree = context_parallel_degree = 1, got pp={parallel_dims.pp}, "
-            f"cp={parallel_dims.cp}"
-        )
+    if getattr(parallel_dims, "cp", 1) > 1:
+        raise ValueError(f"the CA mesh needs context_parallel_degree = 1, got cp={parallel_dims.cp}")
     tp = getattr(parallel_dims, "tp", 1)
+    pp = getattr(parallel_dims, "pp", 1)
     world = parallel_dims.world_mesh
     W = world.size()
+    if across_stages and pp > 1:
+        if degree * pp * tp != W:
+            raise ValueError(
+                f"a CA group across the {pp} pipeline stages needs core_attention.degree = all data-parallel "
+                f"ranks ({W // (pp * tp)}), got {degree}"
+            )
+        degree *= pp
     if W % (degree * tp):
         raise ValueError(f"world size {W} is not a multiple of core_attention degree {degree} x TP degree {tp}")
     outer = W // (degree * tp)
@@ -498,18 +592,14 @@ class CoreAttentionConverter:
                 'the "core_attention" converter needs the [core_attention] config section: '
                 'set [job] custom_config_module = "torchtitan_ext.config"'
             )
-        p = job_config.parallelism
-        degree = validate(
-            cfg, dp_size=_dp_size(parallel_dims), cp_degree=p.context_parallel_degree,
-            tp_degree=p.tensor_parallel_degree, pp_degree=p.pipeline_parallel_degree,
-        )  # fmt: skip
+        degree = validate_job(cfg, job_config, _dp_size(parallel_dims))
         self.job_config = job_config
         self.tp = getattr(parallel_dims, "tp", 1)
         """Tensor-parallel degree: each TP rank runs core attention on n_heads / tp heads."""
         self.planner: CAPlanner | None = None
         if not cfg.enable:
             return
-        if job_config.training.local_batch_size != 1:
+        if job_config.training.local_batch_size != 1 and job_config.parallelism.pipeline_parallel_degree == 1:
             raise ValueError(
                 f"core_attention.enable=true needs training.local_batch_size = 1, got "
                 f"{job_config.training.local_batch_size}: each rank holds one row of seq_len tokens of its "
@@ -532,10 +622,13 @@ class CoreAttentionConverter:
                 f"core_attention.nano_batches={n_nano} needs training.seq_len divisible by it, "
                 f"got seq_len={job_config.training.seq_len}"
             )
-        mesh = build_ca_mesh(parallel_dims, degree)
+        pp = job_config.parallelism.pipeline_parallel_degree
+        stages = pp if pp > 1 and cfg.across_stages else 1
+        mesh = build_ca_mesh(parallel_dims, degree, across_stages=stages > 1)
         self.planner = CAPlanner(
             cfg=cfg, mesh=mesh, degree=degree, rank=mesh.get_local_rank("ca"), nano_batches=n_nano,
-            cost_model=load_cost_model(name),
+            microbatches=job_config.training.local_batch_size if pp > 1 else 1, stages=stages,
+            stage=parallel_dims.get_mesh("pp").get_local_rank() if pp > 1 else 0, cost_model=load_cost_model(name),
         )  # fmt: skip
 
     def convert(self, model: nn.Module) -> None:

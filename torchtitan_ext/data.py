@@ -51,6 +51,7 @@ __all__ = [
     # constants
     "DATASETS",
     "LAYOUT_KEYS",
+    "is_layout_key",
     "pop_layout",
     "IGNORE_INDEX",
     "TOKENIZER_PATH",
@@ -75,21 +76,35 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LAYOUT_KEYS = ("cu_seqlens", "cu_seqlens_1", "context_1")
-"""Item keys that describe the step's CA layout (per nano-batch). Each item also carries the
-next step's under ``next_<key>``, so its plan can be made while this step computes."""
+"""Item keys that describe the step's CA layout: ``cu_seqlens`` (the first layout), then
+``cu_seqlens_<i>`` and ``context_<i>`` for layout ``i >= 1``; the names listed are those of two
+nano-batches, and an item of ``M`` pipeline micro-batches carries ``cu_seqlens_1`` ..
+``cu_seqlens_<M-1>`` too (:func:`is_layout_key`). Each item also carries the next step's under
+``next_<key>``, so its plan can be made while this step computes."""
 
+
+def is_layout_key(key: str, prefix: str = "") -> bool:
+    """Whether ``key`` is one of an item's layout keys (:data:`LAYOUT_KEYS`, any layout index)."""
+    if not key.startswith(prefix):
+        return False
+    k = key[len(prefix):]
+    if k == "cu_seqlens":
+        return True
+    head, _, idx = k.rpartition("_")
+    return head in ("cu_seqlens", "context") and idx.isdigit() and int(idx) >= 1
 
 
 def pop_layout(item: dict, prefix: str = "") -> "tuple[list[torch.Tensor], list[torch.Tensor | None]] | None":
     """Remove one step's layout keys (``prefix`` + :data:`LAYOUT_KEYS`) from an item's input dict;
-    returns (cu_seqlens per nano-batch, contexts per nano-batch: None, then ``context_1``), or
-    None if the item has none."""
-    got = {k: item.pop(prefix + k) for k in LAYOUT_KEYS if prefix + k in item}
+    returns (cu_seqlens per layout, context per layout: None where the layout continues nothing),
+    or None if the item has none. Layouts are the nano-batches or the pipeline micro-batches."""
+    got = {k[len(prefix):]: item.pop(k) for k in [k for k in item if is_layout_key(k, prefix)]}
     if "cu_seqlens" not in got:
         return None
-    cus = [got["cu_seqlens"], *([got["cu_seqlens_1"]] if "cu_seqlens_1" in got else [])]
-    # Nano-batch 1 may continue documents of nano-batch 0 (nano_rank_batch).
-    return cus, [None, *([got.get("context_1")] if len(cus) > 1 else [])]
+    n = 1 + sum(1 for k in got if k.startswith("cu_seqlens_"))
+    cus = [got["cu_seqlens"], *(got[f"cu_seqlens_{i}"] for i in range(1, n))]
+    # A nano-batch may continue documents of the one before (nano_rank_batch).
+    return cus, [None, *(got.get(f"context_{i}") for i in range(1, n))]
 
 
 IGNORE_INDEX = -100
@@ -392,8 +407,11 @@ class CAPackedDataset(IterableDataset, Stateful):
         seq_len: int,
         seed: int = 0,
         nano_batches: int = 1,
+        microbatches: int = 1,
     ):
-        for arg, v in (("ca_degree", ca_degree), ("seq_len", seq_len), ("nano_batches", nano_batches)):
+        for arg, v in (
+            ("ca_degree", ca_degree), ("seq_len", seq_len), ("nano_batches", nano_batches), ("microbatches", microbatches)
+        ):  # fmt: skip
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{arg} must be an integer >= 1, got {v!r}")
         if not 0 <= ca_rank < ca_degree:
@@ -402,7 +420,10 @@ class CAPackedDataset(IterableDataset, Stateful):
             raise ValueError(f"nano_batches must be 1 or 2 and divide seq_len={seq_len}, got {nano_batches}")
         self.stream = stream
         self.group, self.ca_rank, self.ca_degree, self.seq_len, self.seed = group, ca_rank, ca_degree, seq_len, seed
+        if microbatches > 1 and nano_batches > 1:
+            raise ValueError(f"microbatches={microbatches} cannot be combined with nano_batches={nano_batches}")
         self.nano_batches = nano_batches
+        self.microbatches = microbatches
         self._state = StreamState()
         self._step = 0
         self._ahead: tuple[StreamState, tuple] | None = None
@@ -417,13 +438,31 @@ class CAPackedDataset(IterableDataset, Stateful):
             "ca_degree": self.ca_degree,
             "seq_len": self.seq_len,
             "nano_batches": self.nano_batches,
+            "microbatches": self.microbatches,
         }
 
     def _item(self, state: StreamState) -> tuple[dict[str, torch.Tensor], torch.Tensor, StreamState]:
+        if self.microbatches > 1:
+            return self._microbatch_item(state)
         w = group_window(self.stream, state, self.ca_degree, self.seq_len)
         if self.nano_batches == 1:
             return (*rank_batch(w, self.ca_rank, self.seq_len), w.next_state)
         return (*nano_rank_batch(w, self.ca_rank, self.seq_len), w.next_state)
+
+    def _microbatch_item(self, state: StreamState) -> tuple[dict[str, torch.Tensor], torch.Tensor, StreamState]:
+        """``microbatches`` consecutive windows as one item: rows [M, T] (row i is micro-batch i,
+        exactly the i-th item a one-micro-batch loader would give), layout i as ``cu_seqlens_<i>``."""
+        rows, labels = [], []
+        for _ in range(self.microbatches):
+            w = group_window(self.stream, state, self.ca_degree, self.seq_len)
+            d, lab = rank_batch(w, self.ca_rank, self.seq_len)
+            rows.append(d)
+            labels.append(lab)
+            state = w.next_state
+        item = {k: torch.cat([r[k] for r in rows]) for k in ("input", "positions")}
+        for i, r in enumerate(rows):
+            item["cu_seqlens" if i == 0 else f"cu_seqlens_{i}"] = r["cu_seqlens"]
+        return item, torch.cat(labels), state
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         while True:
@@ -439,7 +478,7 @@ class CAPackedDataset(IterableDataset, Stateful):
             # Advance before yielding: a state_dict taken after this item resumes at the next one.
             self._state = after
             self._step += 1
-            yield {**input_dict, **{f"next_{k}": v for k, v in nxt[0].items() if k in LAYOUT_KEYS}}, labels
+            yield {**input_dict, **{f"next_{k}": v for k, v in nxt[0].items() if is_layout_key(k)}}, labels
 
     def state_dict(self) -> dict[str, Any]:
         return {"doc": self._state.doc, "offset": self._state.offset, "step": self._step, **self._identity()}
@@ -505,6 +544,7 @@ def build_ca_dataloader(
     seed: int = 0,
     doc_scale: float | str = "auto",
     nano_batches: int = 1,
+    microbatches: int = 1,
     section: str = "training",
 ):
     """torchtitan ``ParallelAwareDataloader`` over a ``CAPackedDataset`` for this rank.
@@ -515,7 +555,8 @@ def build_ca_dataloader(
 
     Args:
         job_config: torchtitan ``JobConfig``; reads ``<section>.dataset``,
-            ``<section>.local_batch_size`` (must be 1: one item is the rank's T tokens) and
+            ``<section>.local_batch_size`` (must equal ``microbatches``: one item is the rank's
+            T tokens of each micro-batch) and
             ``<section>.dataloader`` (``num_workers`` must be 0: the stream is sequential).
         tokenizer: torchtitan tokenizer (required for ``"stdlib"``; gives the synthetic vocab).
         seq_len: T, tokens per rank per step.
@@ -524,6 +565,9 @@ def build_ca_dataloader(
         nano_batches: 2 splits each step's window into two nano-batches that keep documents
             whole (ping-pong; see :func:`nano_rank_batch`): the same tokens as 1, with keys
             ``cu_seqlens``, ``cu_seqlens_1`` and ``context_1``.
+        microbatches: M, pipeline micro-batches per item: the item's rows [M, T] are M
+            consecutive windows of the stream (the M items ``microbatches = 1`` would give),
+            their layouts ``cu_seqlens``, ``cu_seqlens_1`` .. ``cu_seqlens_<M-1>``.
         section: ``"training"`` or ``"validation"``: the job-config section read.
     """
     from dataclasses import asdict
@@ -551,10 +595,12 @@ def build_ca_dataloader(
     name = training.dataset
     if name not in DATASETS:
         raise ValueError(f"unknown {section}.dataset={name!r}; valid names: {list(DATASETS)}")
-    if training.local_batch_size != 1:
+    if training.local_batch_size != microbatches:
         raise ValueError(
-            f"{section}.local_batch_size must be 1 with the CA loader (each item is the rank's "
-            f"[1, seq_len] slice of its CA group's window), got {training.local_batch_size}"
+            f"{section}.local_batch_size must be {microbatches} with the CA loader (each item is the rank's "
+            f"[1, seq_len] slice of its CA group's window, per pipeline micro-batch: "
+            f"local_batch_size = micro-batches x parallelism.pipeline_parallel_microbatch_size 1), "
+            f"got {training.local_batch_size}"
         )
     loader_kwargs = asdict(training.dataloader)
     if loader_kwargs.get("num_workers", 0):
@@ -574,11 +620,11 @@ def build_ca_dataloader(
     )
     ds = CAPackedDataset(
         stream, group=group, ca_rank=ca_rank, ca_degree=ca_degree, seq_len=seq_len, seed=seed,
-        nano_batches=nano_batches,
+        nano_batches=nano_batches, microbatches=microbatches,
     )  # fmt: skip
     logger.info(
-        "CA loader: dataset=%s group=%d/%d ca_rank=%d/%d seq_len=%d nano_batches=%d seed=%d",
-        name, group, num_groups, ca_rank, ca_degree, seq_len, nano_batches, seed,
+        "CA loader: dataset=%s group=%d/%d ca_rank=%d/%d seq_len=%d nano_batches=%d microbatches=%d seed=%d",
+        name, group, num_groups, ca_rank, ca_degree, seq_len, nano_batches, microbatches, seed,
     )
     # batch_size=None: items are already [1, T]; cu_seqlens differs in length per step.
     loader_kwargs["batch_size"] = None

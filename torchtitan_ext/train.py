@@ -30,8 +30,8 @@ from torchtitan.protocols import train_spec as ts  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.train import Trainer, main  # noqa: E402
 
-from torchtitan_ext import data  # noqa: E402
-from torchtitan_ext.config import nano_batches, validate  # noqa: E402
+from torchtitan_ext import data, pipeline  # noqa: E402
+from torchtitan_ext.config import nano_batches, validate_job  # noqa: E402
 from torchtitan_ext.converter import StepPlan, planner_of  # noqa: E402
 from torchtitan_ext.data import pop_layout  # noqa: E402
 from torchtitan_ext.validate import build_ca_validator  # noqa: E402
@@ -49,11 +49,7 @@ def _ca_degree(job_config, dp_world_size: int) -> int:
     cfg = getattr(job_config, "core_attention", None)
     if cfg is None:
         return 1
-    p = job_config.parallelism
-    return validate(
-        cfg, dp_size=dp_world_size, cp_degree=p.context_parallel_degree,
-        tp_degree=p.tensor_parallel_degree, pp_degree=p.pipeline_parallel_degree,
-    )  # fmt: skip
+    return validate_job(cfg, job_config, dp_world_size)
 
 
 def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **kwargs):
@@ -69,9 +65,11 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **
     seed = job_config.debug.seed if job_config.debug.seed is not None else 0
     cfg = getattr(job_config, "core_attention", None)
     n_nano = nano_batches(cfg) if cfg is not None else 1
+    # Pipeline parallelism: each item is local_batch_size micro-batches, one row each.
+    micro = job_config.training.local_batch_size if n_nano == 1 else 1
     return data.build_ca_dataloader(
         job_config, tokenizer, dp_rank, dp_world_size, dp_rank % degree, degree, job_config.training.seq_len,
-        seed=seed, nano_batches=n_nano,
+        seed=seed, nano_batches=n_nano, microbatches=micro,
     )  # fmt: skip
 
 
@@ -94,7 +92,7 @@ def register_train_spec() -> None:
             TRAIN_SPEC,
             dataclasses.replace(
                 spec, build_dataloader_fn=build_dataloader, parallelize_fn=parallelize,
-                build_validator_fn=build_ca_validator,
+                build_validator_fn=build_ca_validator, pipelining_fn=pipeline.pipelining_fn,
             ),  # fmt: skip
         )
 
@@ -153,6 +151,16 @@ class CoreAttentionTrainer(Trainer):
         """(layout key, planning future) of the next item, planned before it is drawn."""
         self._step_plans: list[StepPlan] = []
         """This step's micro-batch plans, dropped (freeing the plans) when the step is logged."""
+        self._idle: pipeline.IdleServer | None = None
+        """With a CA group across pipeline stages: what this stage runs in the ticks it has no micro-batch."""
+        if self.ca is not None and self.ca.stages > 1:
+            sh, tr = self.ca.shape, job_config.training
+            bf16 = self.parallel_dims.fsdp_enabled and tr.mixed_precision_param == "bfloat16"
+            self._idle = pipeline.IdleServer(
+                pipeline.stage_layers(self.model_parts[0]), tr.seq_len, sh.num_heads, sh.num_kv_heads, sh.head_dim,
+                torch.bfloat16 if bf16 else torch.float32, self.device,
+                None if self.ca.cfg.backend == "auto" else self.ca.cfg.backend,
+            )  # fmt: skip
 
     # ---- planning ahead --------------------------------------------------------------------------
 
@@ -194,6 +202,32 @@ class CoreAttentionTrainer(Trainer):
         inputs, labels, extra_inputs, extra_kwargs = super().post_dataloading_process(input_dict, labels)
         extra_kwargs["attention_masks"] = step
         return inputs, labels, extra_inputs, extra_kwargs
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        """torchtitan's, except under pipeline parallelism with core attention: every micro-batch
+        gets its own plan (and positions, on every stage), idle ticks serve, and the micro-batch
+        losses (and so the gradients) are ``sum / global valid tokens`` as without pipelining."""
+        if not self.parallel_dims.pp_enabled or self.ca is None:
+            return super().forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
+        inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(input_dict, labels)
+        step: StepPlan = extra_kwargs["attention_masks"]
+        positions = extra_inputs["positions"]
+        M, off = inputs.shape[0], self.ca.tick_offset
+        arg_mbs = [(inputs[i : i + 1],) for i in range(M)] if self.pp_has_first_stage else [()] * M
+        kwarg_mbs = [{"positions": positions[i : i + 1], "attention_masks": step.part(i + off)} for i in range(M)]
+        targets = [labels[i : i + 1] for i in range(M)] if self.pp_has_last_stage else None
+        losses: list | None = [] if self.pp_has_last_stage else None
+        with self.train_context():
+            pipeline.run_microbatches(
+                self.pp_schedule, arg_mbs, kwarg_mbs, targets, losses, {"scale": 1.0 / global_valid_tokens},
+                idle=(self._idle, step.part) if self._idle is not None else None,
+                init_kwargs={**kwarg_mbs[0], "attention_masks": StepPlan.shapes_only()},
+            )  # fmt: skip
+        if self.pp_has_last_stage:
+            return torch.sum(torch.stack(losses)).to(self.device)
+        return torch.tensor([-1.0], device=self.device)
 
     def train_step(self, data_iterator) -> None:
         t0 = time.perf_counter()
@@ -274,7 +308,7 @@ class CoreAttentionTrainer(Trainer):
             rows = st.rows[1:] or st.rows
             mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[-1]}
             msg += (
-                f"; CA ({self.ca.cfg.policy}, group of {self.ca.degree}): imbalance "
+                f"; CA ({self.ca.cfg.policy}, group of {self.ca.size}): imbalance "
                 f"{mean['ca/imbalance_colocated']:.3f} (colocated) -> {mean['ca/imbalance']:.3f}, "
                 f"fwd+bwd {mean['ca/fwd_MiB_per_layer'] + mean['ca/bwd_MiB_per_layer']:.2f} MiB per layer per step, "
                 f"plan {mean['ca/plan_ms']:.1f} ms/step (exposed {mean['ca/exposed_plan_ms']:.1f} ms/step)"

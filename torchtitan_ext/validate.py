@@ -47,7 +47,7 @@ class CAValidator(Validator):
         pp_has_first_stage=None,
         pp_has_last_stage=None,
     ) -> None:
-        from torchtitan_ext.config import nano_batches, validate
+        from torchtitan_ext.config import nano_batches, validate_job
 
         BaseValidator.__init__(self, job_config)
         val = job_config.validation
@@ -59,11 +59,7 @@ class CAValidator(Validator):
         cfg = getattr(job_config, "core_attention", None)
         degree, n_nano = 1, 1
         if cfg is not None and cfg.enable:
-            p = job_config.parallelism
-            degree = validate(
-                cfg, dp_size=dp_world_size, cp_degree=p.context_parallel_degree,
-                tp_degree=p.tensor_parallel_degree, pp_degree=p.pipeline_parallel_degree,
-            )  # fmt: skip
+            degree = validate_job(cfg, job_config, dp_world_size)
             n_nano = nano_batches(cfg)
         seed = (job_config.debug.seed if job_config.debug.seed is not None else 0) + 1
         self.tokenizer = tokenizer
