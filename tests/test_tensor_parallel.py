@@ -52,12 +52,6 @@ def test_validate_rejects_tensor_parallel_with_nano_batches(cfg, match):
         validate(cfg, dp_size=2, tp_degree=2)
 
 
-def test_validate_rejects_pipeline_parallel():
-    with pytest.raises(ValueError, match=r"cannot be combined with parallelism.pipeline_parallel_degree=2: .* set "
-                       r"pipeline_parallel_degree = 1"):  # fmt: skip
-        validate(CoreAttention(enable=True), dp_size=2, pp_degree=2)
-
-
 # ---- the CA mesh -----------------------------------------------------------------------------
 
 

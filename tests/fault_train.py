@@ -1,0 +1,37 @@
+"""Test-only launcher: ``torchtitan_ext.train`` with faults injected on one rank.
+
+    DISTCA_TEST_RANK1_ARGS="--core_attention.tolerance 0.3"   extra CLI args on local rank 1 only
+    DISTCA_TEST_FAIL_STEP=2                                   local rank 1 raises in its forward at step 2
+"""
+
+import os
+import sys
+
+from torchtitan_ext import _compat
+
+_compat.apply()
+
+from torchtitan.train import main  # noqa: E402
+
+from torchtitan_ext import train  # noqa: E402
+
+RANK1 = os.environ.get("LOCAL_RANK") == "1"
+FAIL_STEP = int(os.environ.get("DISTCA_TEST_FAIL_STEP", "0"))
+
+
+class FaultyTrainer(train.CoreAttentionTrainer):
+    def train_step(self, data_iterator) -> None:
+        if RANK1 and self.step == FAIL_STEP:
+
+            def fail(module, args, kwargs):
+                raise RuntimeError(f"injected failure in the forward of rank 1 at step {self.step}")
+
+            self.model_parts[0].register_forward_pre_hook(fail, with_kwargs=True)
+        super().train_step(data_iterator)
+
+
+if __name__ == "__main__":
+    if RANK1:
+        sys.argv += os.environ.get("DISTCA_TEST_RANK1_ARGS", "").split()
+    train.register_train_spec()
+    main(FaultyTrainer)
