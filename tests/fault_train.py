@@ -7,16 +7,18 @@
 import os
 import sys
 
-from torchtitan_ext import _compat
+RANK1 = os.environ.get("LOCAL_RANK") == "1"
+FAIL_STEP = int(os.environ.get("DISTCA_TEST_FAIL_STEP", "0"))
+if RANK1:  # before torchtitan is imported: its ConfigManager binds sys.argv then
+    sys.argv += os.environ.get("DISTCA_TEST_RANK1_ARGS", "").split()
+
+from torchtitan_ext import _compat  # noqa: E402
 
 _compat.apply()
 
 from torchtitan.train import main  # noqa: E402
 
 from torchtitan_ext import train  # noqa: E402
-
-RANK1 = os.environ.get("LOCAL_RANK") == "1"
-FAIL_STEP = int(os.environ.get("DISTCA_TEST_FAIL_STEP", "0"))
 
 
 class FaultyTrainer(train.CoreAttentionTrainer):
@@ -31,7 +33,5 @@ class FaultyTrainer(train.CoreAttentionTrainer):
 
 
 if __name__ == "__main__":
-    if RANK1:
-        sys.argv += os.environ.get("DISTCA_TEST_RANK1_ARGS", "").split()
     train.register_train_spec()
     main(FaultyTrainer)

@@ -185,7 +185,7 @@ _FAULT = (str(tt.ROOT / "tests/fault_train.py"),)
 def test_bad_config_raises_on_every_rank_at_start_up(tmp_path):
     """Stages with unequal layers cannot pair their core attention calls: every rank raises the
     same error before training starts."""
-    rc, log, _ = _run(2, tmp_path, "--parallelism.pipeline_parallel_first_stage_less_layers", "2", check=False, timeout=120)
+    rc, log, _ = _run(2, tmp_path, "--parallelism.pipeline_parallel_first_stage_less_layers", "3", check=False, timeout=120)
     assert rc != 0
     assert log.count("core_attention.across_stages=true needs equal transformer layers per pipeline stage, got [2, 4]") >= 2, log[-4000:]
     assert "step:  1" not in log
@@ -193,12 +193,14 @@ def test_bad_config_raises_on_every_rank_at_start_up(tmp_path):
 
 @pytest.mark.slow
 def test_a_rank_with_another_config_fails_every_rank(tmp_path):
-    """Rank 1 plans with another tolerance: the plans' digests differ, and the first layer's agreement
+    """Rank 1 plans with another policy: the plans' digests differ, and the first layer's agreement
     raises on both ranks before any data moves."""
     rc, log, _ = _run(2, tmp_path, "--training.seq_len", "256", "--training.local_batch_size", "2", check=False,
-                      launcher=_FAULT, env={"DISTCA_TEST_RANK1_ARGS": "--core_attention.tolerance 0.5"}, timeout=120)  # fmt: skip
+                      launcher=_FAULT, env={"DISTCA_TEST_RANK1_ARGS": "--core_attention.policy per_doc_cp"}, timeout=120)  # fmt: skip
     assert rc != 0
-    assert log.count("ranks disagree") >= 2 or log.count("disagree") >= 2, log[-4000:]
+    # Raised on both ranks (their tracebacks both reach the log), and before training logged a step.
+    assert log.count("ValueError: plan (cu_seqlens digest) differ across the ranks of the CA group") >= 2, log[-4000:]
+    assert "step:  1" not in log
 
 
 @pytest.mark.slow
