@@ -10,8 +10,13 @@ the ones the DistCA paper reports. See ``docs/simulator.md`` for the model.
     python scripts/simulate.py                       # full grid, table + outputs/simulate/speedup.png
     python scripts/simulate.py --quick               # small subset (< 60 s on 2 cores)
     python scripts/simulate.py --model llama3-8b --gpus 128 --context 262144 --doclens prolong --json
+    python scripts/simulate.py --pp                  # 4D: P = 2, 4, 8 stages, M = 2P micro-batches (~8.5 min)
+    python scripts/simulate.py --quick --pp          # 4D subset (a few seconds)
 
-With --json: one JSON object per (model, doclens, gpus, context, policy, pingpong) per line.
+With --json: one JSON object per (model, doclens, gpus, context, policy, pingpong) per line
+(with --pp also per P). --pp models pipeline parallelism: tick-synchronous GPipe with one CA plan
+per tick over all DP x PP ranks (idle stages serve attention) against GPipe without CAD across
+stages; see "Pipeline parallelism (4D)" in docs/simulator.md.
 
 Units: seconds (``*_s``), milliseconds (``*_ms``), bytes (``*_bytes``); per-GPU
 quantities are for one GPU of an 8-GPU tensor-parallel group, per layer unless
@@ -47,7 +52,7 @@ norms, RoPE and activations folded in. An assumption, typical of Megatron on Hop
 
 IB_BYTES_PER_S = 50e9
 """Bytes/s per GPU per direction for the CA all-to-all: one 400 Gb/s InfiniBand NIC per GPU, the
-bandwidth the paper's Appendix A assumes (paper notes, section 5: "50 GB/s")."""
+bandwidth the paper's Appendix A assumes (50 GB/s)."""
 
 NVLINK_BYTES_PER_S = 360e9
 """Bytes/s per GPU that NCCL all-gather / reduce-scatter reach inside an 8-GPU NVLink-4 node (the
@@ -211,7 +216,7 @@ def _phase(lin, attn, disp, ret, pingpong: bool):
 
     Without ping-pong everything is serial: linear, dispatch, attention, return.
     With ping-pong the micro-batch is two equal nano-batches and each layer runs
-    the paper's 4 ticks (paper notes, section 3), each pairing one comm op with
+    the paper's 4 ticks, each pairing one comm op with
     one compute op of the other nano-batch; a tick lasts the longer of the two:
         tick 1: linear(pong)  | dispatch(ping)      tick 3: attn(pong) | return(ping)
         tick 2: attn(ping)    | dispatch(pong)      tick 4: linear(ping, next layer) | return(pong)
@@ -226,6 +231,20 @@ def _phase(lin, attn, disp, ret, pingpong: bool):
         + np.maximum(h * attn, h * ret)
         + np.maximum(h * lin, h * ret)
     )
+
+
+def linear_fwd_s(arch: Arch, tokens: int, hw: Hardware) -> float:
+    """Forward seconds of one layer's linear part for ``tokens`` tokens on one TP group (backward: 2x)."""
+    lin_f = tokens * arch.layer_flops_per_token / (TP * PEAK_BF16_FLOPS * hw.linear_mfu)
+    # TP collectives move (TP-1)/TP of the gathered activations per GPU; assumed overlapped with
+    # the GEMMs (TransformerEngine tp-comm-overlap), so they cost time only when longer.
+    tp_f = TP_COLLECTIVES_PER_LAYER * (TP - 1) / TP * tokens * arch.hidden * 2 / NVLINK_BYTES_PER_S
+    return max(lin_f, tp_f)
+
+
+def head_fwd_s(arch: Arch, tokens: int, hw: Hardware) -> float:
+    """Forward seconds of the LM head for ``tokens`` tokens on one TP group (backward: 2x)."""
+    return tokens * arch.head_flops_per_token / (TP * PEAK_BF16_FLOPS * hw.linear_mfu)
 
 
 @dataclass(frozen=True)
@@ -253,12 +272,7 @@ def step_time(
     phase of every layer also waits for the slowest rank of its group (the
     all-to-all is a collective), i.e. per-phase maxima within each group.
     """
-    lin_rate = TP * PEAK_BF16_FLOPS * hw.linear_mfu  # FLOP/s of one TP group
-    lin_f = tokens * arch.layer_flops_per_token / lin_rate
-    # TP collectives move (TP-1)/TP of the gathered activations per GPU; assumed overlapped with
-    # the GEMMs (TransformerEngine tp-comm-overlap), so they cost time only when longer.
-    tp_f = TP_COLLECTIVES_PER_LAYER * (TP - 1) / TP * tokens * arch.hidden * 2 / NVLINK_BYTES_PER_S
-    lin_f = max(lin_f, tp_f)
+    lin_f = linear_fwd_s(arch, tokens, hw)
     lin_b = 2.0 * lin_f
     attn_f, df, rf, db, rb = c.attn_fwd, c.fwd_dispatch, c.fwd_return, c.bwd_dispatch, c.bwd_return
     if sync == "layer":
@@ -266,7 +280,7 @@ def step_time(
     attn_b = bwd_factor * attn_f
     per_layer = _phase(lin_f, attn_f, df, rf, pingpong) + _phase(lin_b, attn_b, db, rb, pingpong)
     r = int(np.argmax(per_layer))
-    head = 3.0 * tokens * arch.head_flops_per_token / lin_rate
+    head = 3.0 * head_fwd_s(arch, tokens, hw)
     L = arch.layers
     own_compute = lin_f + lin_b + c.attn_fwd[r] * (1.0 + bwd_factor)
     return StepTime(
@@ -464,6 +478,286 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
     return rows
 
 
+# ---- pipeline parallelism (4D) ---------------------------------------------------------
+#
+# P stages of L / P layers each, DP = R / P CA ranks per stage (R = GPUs / TP), M micro-batches
+# per step, GPipe order: M + P - 1 forward ticks, then M + P - 1 backward ticks. In forward tick t
+# stage s works on micro-batch t - s (idle when out of [0, M)). The backward runs the micro-batches
+# in reverse order, so backward tick u has the stage / micro-batch set of forward tick
+# M + P - 2 - u and reuses its plan. See docs/simulator.md, "Pipeline parallelism (4D)".
+
+PP_POLICIES = ("colocated", "wlb_cp", "distca_stage", "greedy", "distca")
+"""``--pp`` policies. Without CAD across stages, each stage computing its own micro-batch's attention
+and scheduled as a GPipe dependency graph (no tick barrier): ``colocated`` (each DP rank of a stage
+serves its own queries), ``wlb_cp`` (CP groups of c ranks inside a stage, c grid-searched as in 3D) and
+``distca_stage`` (distca over one stage's DP ranks, 3D CAD inside each stage). With CAD over the whole
+DP x PP group, tick-synchronous: ``greedy`` and ``distca``, one plan per tick."""
+
+TICK_POLICIES = ("greedy", "distca")
+"""Policies planned once per tick over all R = DP x PP ranks (idle stages' ranks are servers)."""
+
+
+def bubble_fraction(pp: int, microbatches: int) -> float:
+    """Share of a rank's ticks with no linear work in GPipe: (P - 1) / (M + P - 1)."""
+    return (pp - 1) / (microbatches + pp - 1)
+
+
+def tick_microbatches(t: int, pp: int, microbatches: int) -> list[int | None]:
+    """Micro-batch each stage works on in forward tick ``t`` (``None``: the stage is idle)."""
+    return [t - s if 0 <= t - s < microbatches else None for s in range(pp)]
+
+
+def tick_layout(mbs: list[Layout], t: int, pp: int) -> tuple[Layout, np.ndarray]:
+    """Joint layout of forward tick ``t`` over R = DP x PP ranks and its active-rank mask [R].
+
+    ``mbs[m]`` is micro-batch m's layout over one stage's DP ranks. Rank ``s * DP + d`` holds rank d
+    of micro-batch ``t - s``'s layout (documents cross DP ranks of a stage, never stages); an idle
+    stage's ranks each hold one padding document of T tokens (``Layout.padding``: no attention, no
+    task, yet a server).
+    """
+    M = len(mbs)
+    DP, T = mbs[0].ranks, mbs[0].tokens_per_rank
+    cu, padding, ndocs = [np.zeros(1, np.int64)], [], 0
+    active = np.zeros(pp * DP, dtype=bool)
+    for s, m in enumerate(tick_microbatches(t, pp, M)):
+        base = s * DP * T
+        if m is None:
+            cu.append(base + T * np.arange(1, DP + 1, dtype=np.int64))
+            padding.extend(range(ndocs, ndocs + DP))
+            ndocs += DP
+        else:
+            if (mbs[m].ranks, mbs[m].tokens_per_rank) != (DP, T) or mbs[m].context or mbs[m].padding:
+                raise ValueError("micro-batch layouts must share DP and T and have no context or padding")
+            cu.append(base + mbs[m].cu_array[1:])
+            ndocs += mbs[m].num_docs
+            active[s * DP : (s + 1) * DP] = True
+    return Layout(tuple(np.concatenate(cu).tolist()), pp * DP, T, padding=tuple(padding)), active
+
+
+def gpipe_time(f: np.ndarray, b: np.ndarray, p2p: float) -> np.ndarray:
+    """Critical path of GPipe with per-(stage, micro-batch) times and no tick barrier.
+
+    ``f``, ``b``: [G, P, M] forward and backward seconds of G independent pipelines (replicas).
+    Forward (s, m) starts when (s - 1, m) has finished and sent its activations (``p2p``) and
+    (s, m - 1) has finished; the backward runs micro-batches in reverse order, (s, m) after
+    (s + 1, m) has sent its gradient and after (s, m + 1), or after stage s's last forward.
+    Returns the seconds [G] until (0, 0)'s backward ends.
+    """
+    G, P, M = f.shape
+    F = np.zeros((G, P, M))
+    for s in range(P):
+        for m in range(M):
+            start = np.maximum(F[:, s - 1, m] + p2p if s else 0.0, F[:, s, m - 1] if m else 0.0)
+            F[:, s, m] = start + f[:, s, m]
+    B = np.zeros((G, P, M))
+    for s in reversed(range(P)):
+        for m in reversed(range(M)):
+            prev = B[:, s, m + 1] if m < M - 1 else F[:, s, M - 1]
+            start = np.maximum(B[:, s + 1, m] + p2p if s < P - 1 else 0.0, prev)
+            B[:, s, m] = start + b[:, s, m]
+    return B[:, 0, 0]
+
+
+def p2p_s(arch: Arch, tokens: int, hw: Hardware) -> float:
+    """Seconds of one stage-to-stage transfer: T tokens x hidden x 2 bytes, scattered over the TP GPUs
+    (Megatron's sequence-parallel P2P), each GPU's 1/TP over its own IB link."""
+    return tokens * arch.hidden * 2 / TP / hw.ib_bytes_per_s
+
+
+def _layer_phases(c: RankCosts, lin_f, bwd_factor: float, pingpong: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per-rank forward and backward seconds of one layer (``lin_f`` a scalar or an array [R])."""
+    fwd = _phase(lin_f, c.attn_fwd, c.fwd_dispatch, c.fwd_return, pingpong)
+    bwd = _phase(2.0 * lin_f, bwd_factor * c.attn_fwd, c.bwd_dispatch, c.bwd_return, pingpong)
+    return fwd, bwd
+
+
+def _spread(x: np.ndarray) -> float:
+    m = float(x.mean())
+    return float(x.max()) / m if m > 0 else 1.0
+
+
+class PPStep(NamedTuple):
+    """One step of one policy and ping-pong setting (see :func:`pp_gpipe_step`, :func:`pp_tick_step`)."""
+
+    step_s: float
+    tick_spread: float
+    """Mean over forward ticks of max / mean compute seconds over the tick's active ranks."""
+    tick_spread_all: float
+    """Mean over forward ticks of max / mean compute seconds over all R ranks (idle ones included)."""
+    idle_frac: float
+    """1 - (all ranks' compute seconds) / (R x step): the time ranks spend neither computing linear layers
+    nor attention (waiting, bubbles, exposed communication)."""
+    bound_s: float
+    """Tick policies: sum over ticks of max(an active rank's linear time, tick compute / R), i.e. the step
+    if every tick's attention were spread so all ranks finish together (communication free). NaN else."""
+
+
+def pp_gpipe_step(
+    fwd_layer: np.ndarray, bwd_layer: np.ndarray, attn: np.ndarray, groups: np.ndarray,
+    pp: int, layers: int, lin_f: float, head_f: float, bwd_factor: float, p2p: float,
+) -> PPStep:  # fmt: skip
+    """A step of a policy without CAD across stages.
+
+    ``fwd_layer``, ``bwd_layer``, ``attn``: [M, DP] per-layer seconds of each micro-batch on each DP rank
+    of a stage (every stage runs the same micro-batch with the same per-layer times; the last adds the LM
+    head). ``groups`` [DP]: ranks with one id form one pipeline replica and wait for each other at every
+    stage's micro-batch (its CP group); replicas only meet at the step's end (gradient sync).
+    """
+    M, DP = fwd_layer.shape
+    ids = np.unique(groups)
+    fg = np.stack([fwd_layer[:, groups == g].max(axis=1) for g in ids])  # [G, M]
+    bg = np.stack([bwd_layer[:, groups == g].max(axis=1) for g in ids])
+    f = np.repeat(layers * fg[:, None, :], pp, axis=1)
+    b = np.repeat(layers * bg[:, None, :], pp, axis=1)
+    f[:, -1] += head_f
+    b[:, -1] += 2.0 * head_f
+    step = float(gpipe_time(f, b, p2p).max())
+    comp = layers * (3.0 * lin_f + (1.0 + bwd_factor) * attn)  # [M, DP] per stage-micro-batch
+    sp, sp_all = [], []
+    for t in range(M + pp - 1):
+        rows = [comp[m] + (3.0 * head_f if s == pp - 1 else 0.0) if m is not None else np.zeros(DP)
+                for s, m in enumerate(tick_microbatches(t, pp, M))]  # fmt: skip
+        x = np.concatenate(rows)
+        act = np.repeat([m is not None for m in tick_microbatches(t, pp, M)], DP)
+        sp.append(_spread(x[act]))
+        sp_all.append(_spread(x))
+    total = pp * float(comp.sum()) + 3.0 * head_f * M * DP
+    return PPStep(step, float(np.mean(sp)), float(np.mean(sp_all)), 1.0 - total / (pp * DP * step), math.nan)
+
+
+def pp_tick_step(
+    ticks: list[tuple[RankCosts, np.ndarray]], pp: int, layers: int, lin_f: float, head_f: float,
+    bwd_factor: float, pingpong: bool, p2p: float,
+) -> PPStep:  # fmt: skip
+    """A tick-synchronous step with CAD: ``ticks[t]`` = (RankCosts over R ranks, active mask [R]) of
+    forward tick t. Each tick lasts as long as its slowest rank (the CA all-to-all and the P2P at the
+    tick boundary couple them); backward tick u reuses forward tick M + P - 2 - u's plan and ranks, so
+    the step is the sum over t of both. One P2P transfer per tick boundary, exposed."""
+    step, sp, sp_all, comp_total, bound = 0.0, [], [], 0.0, 0.0
+    R = len(ticks[0][1])
+    for c, active in ticks:
+        DP = R // pp
+        last = np.zeros(R, dtype=bool)
+        last[(pp - 1) * DP :] = active[(pp - 1) * DP :]
+        lin = lin_f * active
+        fwd, bwd = _layer_phases(c, lin, bwd_factor, pingpong)
+        fwd = layers * fwd + head_f * last
+        bwd = layers * bwd + 2.0 * head_f * last
+        step += float(fwd.max()) + float(bwd.max())
+        comp = layers * (3.0 * lin + (1.0 + bwd_factor) * c.attn_fwd) + 3.0 * head_f * last
+        comp_total += float(comp.sum())
+        sp.append(_spread(comp[active]))
+        sp_all.append(_spread(comp))
+        bound += max(layers * 3.0 * lin_f + 3.0 * head_f * bool(last.any()), float(comp.sum()) / R)
+    if pp > 1:
+        step += 2 * (len(ticks) - 1) * p2p
+    return PPStep(step, float(np.mean(sp)), float(np.mean(sp_all)), 1.0 - comp_total / (R * step), bound)
+
+
+def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: int, args) -> list[dict]:
+    """Every --pp policy x {no ping-pong, ping-pong} for one (model, doclens, gpus, context, P, M)."""
+    arch, shape = ARCHS[model], MODEL_SHAPES[model]
+    R = gpus // TP
+    DP, layers = R // pp, arch.layers // pp
+    cm = load_cost_model(COST_MODEL).for_shape(shape)
+    pool = load_doclens(dist)
+    hw = Hardware(args.mfu, args.ib_gbs * 1e9, not args.half_duplex)
+    lin_f, head_f, p2p = linear_fwd_s(arch, ctx, hw), head_fwd_s(arch, ctx, hw), p2p_s(arch, ctx, hw)
+    bf = cm.bwd_factor
+    cps = [1 << k for k in range(int(math.log2(DP)) + 1) if DP % (1 << k) == 0]
+    acc: dict[tuple[str, bool], list] = {}  # (policy, pingpong) -> [(PPStep, imbalance, plan ms, extra)]
+    n_ticks = mb + pp - 1
+
+    def gpipe(costs, groups, imb, ms, extra=None):
+        for ppg in (False, True):
+            fb = [_layer_phases(c, lin_f, bf, ppg) for c in costs]
+            st = pp_gpipe_step(
+                np.stack([x[0] for x in fb]), np.stack([x[1] for x in fb]), np.stack([c.attn_fwd for c in costs]),
+                groups, pp, layers, lin_f, head_f, bf, p2p,
+            )  # fmt: skip
+            yield ppg, (st, imb, ms, extra)
+
+    for seed in range(args.seeds):
+        mbs = [build_layout(pool, DP, ctx, seed * mb + m, args) for m in range(mb)]
+        for policy in args.policy:
+            if policy in ("colocated", "distca_stage"):
+                costs, imb, ms = [], [], 0.0
+                for lay in mbs:
+                    t0 = time.perf_counter()
+                    p = plan(lay, "colocated" if policy == "colocated" else "distca",
+                             tolerance=args.tolerance, shape=shape, cost_model=COST_MODEL)  # fmt: skip
+                    ms += (time.perf_counter() - t0) * 1e3
+                    costs.append(rank_costs(p.loads, p.traffic, shape, np.zeros(DP, dtype=np.int64), hw))
+                    imb.append(p.imbalance)
+                groups = np.arange(DP) if policy == "colocated" else np.zeros(DP, dtype=np.int64)
+                for ppg, item in gpipe(costs, groups, float(np.mean(imb)), ms / mb):
+                    acc.setdefault((policy, ppg), []).append(item)
+            elif policy == "wlb_cp":
+                best: dict[bool, tuple] = {}
+                for c in cps:
+                    costs, imb, ms = [], [], 0.0
+                    for lay in mbs:
+                        w = wlb_cp(lay, c, shape, cm, args.tolerance)
+                        ms += w.plan_s * 1e3
+                        costs.append(wlb_costs(w.loads, w.ag_bytes, c, hw))
+                        imb.append(_spread(w.loads))
+                    for ppg, item in gpipe(costs, np.arange(DP) // c, float(np.mean(imb)), ms / mb, c):
+                        if ppg not in best or item[0].step_s < best[ppg][0].step_s:
+                            best[ppg] = item
+                for ppg, item in best.items():
+                    acc.setdefault((policy, ppg), []).append(item)
+            else:
+                ticks, imb, ms = [], [], 0.0
+                for t in range(n_ticks):
+                    lay, active = tick_layout(mbs, t, pp)
+                    t0 = time.perf_counter()
+                    p = plan(lay, policy, tolerance=args.tolerance, shape=shape, cost_model=COST_MODEL)
+                    ms += (time.perf_counter() - t0) * 1e3
+                    ticks.append((rank_costs(p.loads, p.traffic, shape, np.zeros(R, dtype=np.int64), hw), active))
+                    imb.append(p.imbalance)
+                for ppg in (False, True):
+                    st = pp_tick_step(ticks, pp, layers, lin_f, head_f, bf, ppg, p2p)
+                    acc.setdefault((policy, ppg), []).append((st, float(np.mean(imb)), ms / n_ticks, None))
+    settings = {
+        "tolerance": args.tolerance, "mfu": hw.linear_mfu, "ib_gbs": hw.ib_bytes_per_s / 1e9,
+        "full_duplex": hw.full_duplex, "upsample": args.upsample, "upsample_threshold": args.upsample_threshold,
+        "cut_docs": args.cut_docs, "cost_model": COST_MODEL,
+    }  # fmt: skip
+    rows = []
+    for (policy, ppg), items in acc.items():
+        sts = [i[0] for i in items]
+        row = {
+            "model": model, "params": arch.params, "doclens": dist, "gpus": gpus, "ca_ranks": R, "tp": TP,
+            "dp": DP, "pp": pp, "layers_per_stage": layers, "microbatches": mb, "context": ctx,
+            "tokens_per_step": mb * DP * ctx, "policy": policy, "pingpong": ppg,
+            "schedule": "tick" if policy in TICK_POLICIES else "gpipe", "seeds": len(sts),
+            "step_s": float(np.mean([x.step_s for x in sts])), "step_s_std": float(np.std([x.step_s for x in sts])),
+            "bubble": bubble_fraction(pp, mb), "p2p_s": p2p,
+            "idle_frac": float(np.mean([x.idle_frac for x in sts])),
+            "tick_spread": float(np.mean([x.tick_spread for x in sts])),
+            "tick_spread_all": float(np.mean([x.tick_spread_all for x in sts])),
+            "imbalance": float(np.mean([i[1] for i in items])), "plan_ms": float(np.mean([i[2] for i in items])),
+            "settings": settings,
+        }  # fmt: skip
+        if policy in TICK_POLICIES:
+            row["bound_s"] = float(np.mean([x.bound_s for x in sts]))
+        if policy == "wlb_cp":
+            cs = [i[3] for i in items]
+            row["cp"] = max(sorted(set(cs)), key=cs.count)
+        rows.append(row)
+    by = {(r["policy"], r["pingpong"]): r for r in rows}
+    for r in rows:
+        for base in ("wlb_cp", "colocated", "distca_stage"):
+            b = by.get((base, r["pingpong"]))
+            r[f"speedup_vs_{base}"] = round(b["step_s"] / r["step_s"], 4) if b else None
+        b = by.get(("wlb_cp", False))
+        r["speedup_vs_wlb_cp_no_pp"] = round(b["step_s"] / r["step_s"], 4) if b else None
+        r["paper_4d_vs_wlb"] = list(PAPER_4D[(model, dist)])
+    order = {p: i for i, p in enumerate(PP_POLICIES)}
+    rows.sort(key=lambda r: (r["pingpong"], order[r["policy"]]))
+    return rows
+
+
 # ---- output ----------------------------------------------------------------------------
 
 
@@ -538,6 +832,83 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def pp_table(rows: list[dict]) -> str:
+    """One line per (model, doclens, gpus, context, P, pingpong) of a --pp run."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        key = (r["model"], r["doclens"], r["pingpong"], r["gpus"], r["context"], r["pp"])
+        groups.setdefault(key, {})[r["policy"]] = r
+    pols = [p for p in PP_POLICIES if any(p in g for g in groups.values())]
+    names = {"distca_stage": "dca_stage"}
+    head = (
+        f"{'model':<10} {'doclens':<8} {'gpus':>4} {'ctx':>4} {'P':>2} {'M':>3} {'pp':>3} | "
+        + " ".join(f"{names.get(p, p):>9}" for p in pols)
+        + f" | {'cp':>3} {'bubble':>6} | {'spread':>11} {'idle':>11} | "
+        + f"{'x wlb':>5} {'x wlb0':>6} {'x coloc':>7} {'x stage':>7} | {'/bound':>6} {'plan ms':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for key in sorted(groups):
+        g = groups[key]
+        model, dist, ppg, gpus, ctx, P = key
+        any_r = next(iter(g.values()))
+        cells = " ".join(f"{g[p]['step_s']:>9.2f}" if p in g else f"{'-':>9}" for p in pols)
+        d, c = g.get("distca", {}), g.get("colocated", {})
+        two = lambda f, spec: (
+            f"{_fmt(c.get(f), spec)}>{_fmt(d.get(f), spec)}" if c and d else "-"
+        )  # fmt: skip
+        sp = lambda base: _fmt(d.get(f"speedup_vs_{base}"))
+        gap = d["step_s"] / d["bound_s"] if d.get("bound_s") else None
+        lines.append(
+            f"{model:<10} {dist:<8} {gpus:>4} {_k(ctx):>4} {P:>2} {any_r['microbatches']:>3} "
+            f"{'on' if ppg else 'off':>3} | {cells} | {g.get('wlb_cp', {}).get('cp', '-')!s:>3} "
+            f"{any_r['bubble']:>6.3f} | {two('tick_spread', '.2f'):>11} {two('idle_frac', '.2f'):>11} | "
+            f"{sp('wlb_cp'):>5} {sp('wlb_cp_no_pp'):>6} {sp('colocated'):>7} {sp('distca_stage'):>7} | "
+            f"{_fmt(gap, '.3f'):>6} {_fmt(d.get('plan_ms'), '.1f'):>7}"
+        )
+    return "\n".join(lines)
+
+
+def pp_summary(rows: list[dict]) -> str:
+    """distca's --pp speedup ranges over GPU counts and P per model, doclens and context, and at each
+    side's best P, next to the paper's 4D numbers."""
+    by = {(r["model"], r["doclens"], r["context"], r["gpus"], r["pp"], r["policy"], r["pingpong"]): r for r in rows}
+    cols = [
+        ("pp vs wlb0", "distca", True, "wlb_cp", False),
+        ("pp vs wlb pp", "distca", True, "wlb_cp", True),
+        ("off vs wlb off", "distca", False, "wlb_cp", False),
+        ("pp vs stage pp", "distca", True, "distca_stage", True),
+        ("pp vs coloc pp", "distca", True, "colocated", True),
+    ]
+    head = f"{'model':<10} {'doclens':<8} {'ctx':>4} | " + " ".join(f"{c[0]:>14}" for c in cols)
+    head += f" | {'bestP vs wlb0':>13} {'bestP vs wlb':>12} | {'spread col>dca':>14} | paper 4D"
+    out = [head, "-" * len(head)]
+    for model, dist, ctx in sorted({k[:3] for k in by}):
+        keys = [k for k in by if k[:3] == (model, dist, ctx)]
+        cells = []
+        for _, pol, ppg, base, bpp in cols:
+            v = [by[k[:5] + (base, bpp)]["step_s"] / by[k]["step_s"]
+                 for k in keys if k[5:] == (pol, ppg) and k[:5] + (base, bpp) in by]  # fmt: skip
+            cells.append(f"{min(v):.2f}-{max(v):.2f}" if v else "-")
+        best = []
+        for bpp in (False, True):
+            v = []
+            for gpus in sorted({k[3] for k in keys}):
+                d = [by[k]["step_s"] for k in keys if k[3] == gpus and k[5:] == ("distca", True)]
+                w = [by[k]["step_s"] for k in keys if k[3] == gpus and k[5:] == ("wlb_cp", bpp)]
+                if d and w:
+                    v.append(min(w) / min(d))
+            best.append(f"{min(v):.2f}-{max(v):.2f}" if v else "-")
+        sc = [by[k]["tick_spread"] for k in keys if k[5:] == ("colocated", True)]
+        sd = [by[k]["tick_spread"] for k in keys if k[5:] == ("distca", True)]
+        spread = f"{max(sc):.2f}>{max(sd):.2f}" if sc and sd else "-"
+        p4 = PAPER_4D[(model, dist)]
+        out.append(
+            f"{model:<10} {dist:<8} {_k(ctx):>4} | " + " ".join(f"{c:>14}" for c in cells)
+            + f" | {best[0]:>13} {best[1]:>12} | {spread:>14} | {p4[0]:.2f}-{p4[1]:.2f}"
+        )
+    return "\n".join(out)
+
+
 def plot(rows: list[dict], out_dir: Path) -> Path:
     """distca's speedup (ping-pong) over GPUs, one panel per doclens x model, the paper's 3D range shaded."""
     import matplotlib
@@ -595,12 +966,28 @@ def plot(rows: list[dict], out_dir: Path) -> Path:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", action="append", choices=sorted(ARCHS), help="repeatable; default both")
-    ap.add_argument("--gpus", type=int, nargs="+", default=[64, 128, 256, 512], help="GPU counts, multiples of 8")
-    ap.add_argument("--context", type=int, nargs="+", default=[131072, 262144, 524288], help="tokens per CA rank")
+    ap.add_argument(
+        "--gpus", type=int, nargs="+",
+        help="GPU counts, multiples of 8 (default 64 128 256 512; with --pp per model, see PP_GRID)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--context", type=int, nargs="+",
+        help="tokens per CA rank (default 131072 262144 524288; with --pp per model, see PP_GRID)",
+    )  # fmt: skip
     ap.add_argument("--doclens", action="append", choices=DISTRIBUTIONS, help="repeatable; default both")
-    ap.add_argument("--policy", action="append", choices=POLICIES, help="repeatable; default all")
+    ap.add_argument(
+        "--policy", action="append", choices=sorted(set(POLICIES) | set(PP_POLICIES)),
+        help="repeatable; default all of the mode's (POLICIES, or PP_POLICIES with --pp)",
+    )  # fmt: skip
     ap.add_argument("--seeds", type=int, default=10, help="batches per point (the paper averages 30)")
-    ap.add_argument("--microbatches", type=int, default=1, help="micro-batches per step, each its own batch")
+    ap.add_argument(
+        "--microbatches", type=int,
+        help="micro-batches per step, each its own batch (default 1; with --pp 2 x P: 2 x R sequences per step)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--pp", type=int, nargs="*",
+        help="pipeline-parallel (4D) mode with these stage counts; bare --pp: 2 4 8 (with --quick: 4)",
+    )  # fmt: skip
     ap.add_argument("--tolerance", type=float, default=0.05, help="planner epsilon (paper's train_3d: 0.05)")
     ap.add_argument("--upsample", type=int, default=4, help="repeat documents >= threshold this many times")
     ap.add_argument("--upsample-threshold", type=int, default=16384)
@@ -617,22 +1004,32 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="one JSON object per configuration per line")
     ap.add_argument("--out", default="outputs/simulate", help="directory for speedup.png and results.jsonl")
     ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="small subset: llama3-8b, 64 and 256 GPUs, 128K, 2 seeds")
+    ap.add_argument(
+        "--quick", action="store_true",
+        help="small subset: llama3-8b, 64 and 256 GPUs, 128K, 2 seeds (with --pp: 64 and 128 GPUs, P = 4)",
+    )  # fmt: skip
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
+    if args.pp is not None:
+        return main_pp(ap, args)
     if args.quick:
         args.model = args.model or ["llama3-8b"]
         args.gpus, args.context, args.seeds = [64, 256], [131072], 2
     args.model = args.model or list(ARCHS)
     args.doclens = args.doclens or list(DISTRIBUTIONS)
     args.policy = args.policy or list(POLICIES)
+    args.gpus = args.gpus or [64, 128, 256, 512]
+    args.context = args.context or [131072, 262144, 524288]
+    args.microbatches = args.microbatches or 1
     bad = [g for g in args.gpus if g < TP or g % TP]
     if bad:
         ap.error(f"--gpus must be multiples of TP={TP}, got {bad}")
+    if bad := [p for p in args.policy if p not in POLICIES]:
+        ap.error(f"--policy {bad[0]} needs --pp")
     if min(args.context) < 1 or args.seeds < 1 or args.microbatches < 1:
         ap.error("--context, --seeds and --microbatches must be >= 1")
     if not 0.0 <= args.tolerance < 1.0:
@@ -678,6 +1075,79 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(summary(rows))
         print(f"\n{wall:.1f} s; results in {out_dir / 'results.jsonl'}" + (f", plot {png}" if png else ""))
+    return 0
+
+
+PP_GRID = {
+    "llama3-8b": ([64, 128, 256], [131072, 262144, 524288]),
+    "llama3-34b": ([128, 256, 512], [131072, 262144, 393216]),
+}
+"""--pp defaults per model, (GPU counts, contexts): the paper's 4D ranges (8B up to 512K on 64-256 GPUs,
+34B up to 384K on 128-512 GPUs)."""
+
+
+def main_pp(ap: argparse.ArgumentParser, args) -> int:
+    """The --pp mode: every (model, doclens, gpus, context, P) with M micro-batches."""
+    pps = args.pp or ([4] if args.quick else [2, 4, 8])
+    if args.quick:
+        args.model = args.model or ["llama3-8b"]
+        args.gpus, args.context, args.seeds = args.gpus or [64, 128], args.context or [131072], 2
+    args.model = args.model or list(ARCHS)
+    args.doclens = args.doclens or list(DISTRIBUTIONS)
+    args.policy = args.policy or list(PP_POLICIES)
+    if bad := [p for p in args.policy if p not in PP_POLICIES]:
+        ap.error(f"--policy {bad[0]} is not a --pp policy (choose from {list(PP_POLICIES)})")
+    if args.seeds < 1 or (args.microbatches is not None and args.microbatches < 1):
+        ap.error("--seeds and --microbatches must be >= 1")
+    if not 0.0 <= args.tolerance < 1.0:
+        ap.error(f"--tolerance must be in [0, 1), got {args.tolerance}")
+    if not 0.0 < args.mfu <= 1.0 or args.ib_gbs <= 0:
+        ap.error(f"--mfu must be in (0, 1] and --ib-gbs > 0, got {args.mfu} and {args.ib_gbs}")
+    grid = []
+    for model in args.model:
+        gpus_l, ctx_l = PP_GRID[model]
+        for gpus in sorted(args.gpus or gpus_l):
+            for P in sorted(pps):
+                R = gpus // TP
+                if gpus % TP or P < 1 or R % P or ARCHS[model].layers % P:
+                    ap.error(
+                        f"--pp {P} at {gpus} GPUs for {model}: need GPUs a multiple of TP={TP}, "
+                        f"P dividing the {R} CA ranks and the {ARCHS[model].layers} layers"
+                    )
+                for ctx in sorted(args.context or ctx_l):
+                    if ctx < 1:
+                        ap.error("--context must be >= 1")
+                    grid.append((model, gpus, ctx, P, args.microbatches or 2 * P))
+    out_dir = Path(args.out)
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    for model, gpus, ctx, P, M in grid:
+        for dist in args.doclens:
+            new = simulate_pp_config(model, dist, gpus, ctx, P, M, args)
+            rows.extend(new)
+            if args.json:
+                for r in new:
+                    print(json.dumps(r), flush=True)
+    wall = time.perf_counter() - t0
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results_pp.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if not args.json:
+        print(
+            f"4D (--pp): TP={TP} x DP x PP, GPipe, M micro-batches of DP x T tokens; MFU {args.mfu}, "
+            f"IB {args.ib_gbs:g} GB/s/GPU, cost model {COST_MODEL!r}, tolerance={args.tolerance}, "
+            f"seeds={args.seeds}, upsample x{args.upsample} >= {args.upsample_threshold}"
+            f"{', docs cut at ranks' if args.cut_docs else ''}"
+        )
+        print(
+            "step seconds per policy (pp = ping-pong); colocated / wlb_cp / dca_stage: GPipe critical path,\n"
+            "each stage computing its own attention; greedy / distca: tick-synchronous CAD over DP x PP.\n"
+            "spread, idle: colocated>distca (mean per-tick max/mean compute over active ranks; idle share\n"
+            "of rank time); x = distca's speedups; /bound = distca's step / its perfect-spread bound\n"
+        )
+        print(pp_table(rows))
+        print()
+        print(pp_summary(rows))
+        print(f"\n{wall:.1f} s; results in {out_dir / 'results_pp.jsonl'}")
     return 0
 
 

@@ -159,3 +159,134 @@ def test_wlb_cp_serves_every_pair_once_and_matches_per_doc_cp_at_full_degree():
 def test_cli_rejects_bad_gpus():
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
         simulate.main(["--gpus", "60", "--no-plot"])
+
+
+# ---- pipeline parallelism (--pp) -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quick_pp(tmp_path_factory):
+    """Rows of one ``--quick --pp --json`` run (llama3-8b, 64 and 128 GPUs, 128K, P = 4, M = 8)."""
+    out = tmp_path_factory.mktemp("simulate_pp")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = simulate.main(["--quick", "--pp", "--json", "--out", str(out)])
+    assert rc == 0
+    return [json.loads(line) for line in buf.getvalue().splitlines() if line.strip()]
+
+
+def _microbatches(M, DP, T, seed=0):
+    rng = np.random.default_rng(seed)
+    return [Layout.from_doclens(rng.integers(20, 3 * T, 4 * DP), DP, T) for _ in range(M)]
+
+
+def test_tick_layout_puts_microbatch_t_minus_s_on_stage_s_and_padding_on_idle_stages():
+    """Rank s*DP + d of tick t holds rank d of micro-batch t - s; idle stages' ranks hold only padding."""
+    P, M, DP, T = 3, 4, 2, 512
+    mbs = _microbatches(M, DP, T)
+    for t in range(M + P - 1):
+        lay, active = simulate.tick_layout(mbs, t, P)
+        assert (lay.ranks, lay.tokens_per_rank) == (P * DP, T)
+        for s in range(P):
+            m = t - s
+            for d in range(DP):
+                r = s * DP + d
+                pad = lay.padding_mask(r)
+                if 0 <= m < M:
+                    assert active[r] and not pad.any()
+                    got = [(b - a) for _, a, b in lay.rank_segments(r)]
+                    want = [(b - a) for _, a, b in mbs[m].rank_segments(d)]
+                    assert got == want
+                    assert np.array_equal(lay.positions(r), mbs[m].positions(d))
+                else:
+                    assert not active[r] and pad.all()
+        assert active.sum() == DP * sum(0 <= t - s < M for s in range(P))
+    # Documents never cross stages: every stage boundary is a document boundary.
+    lay, _ = simulate.tick_layout(mbs, P - 1, P)
+    assert set(range(0, P * DP * T + 1, DP * T)) <= set(lay.cu_seqlens)
+
+
+def test_cad_gives_idle_stage_ranks_load_in_warmup_ticks():
+    """Warm-up tick 0 (only stage 0 busy): colocated leaves idle-stage ranks at load 0 and gives padding
+    no task; distca makes them servers, lowering the max load; in the middle tick all stages are busy."""
+    P, M, DP, T = 4, 4, 2, 4096
+    mbs = _microbatches(M, DP, T, seed=1)
+    shape = MODEL_SHAPES["llama3-8b"]
+    lay, active = simulate.tick_layout(mbs, 0, P)
+    assert active.sum() == DP
+    col = plan(lay, "colocated", shape=shape, cost_model="h200")
+    dca = plan(lay, "distca", shape=shape, cost_model="h200")
+    assert np.all(col.loads[~active] == 0) and np.all(col.loads[active] > 0)
+    assert np.all(dca.loads[~active] > 0)
+    assert dca.loads.max() < 0.5 * col.loads.max()
+    for p in (col, dca):
+        assert not lay.is_padding[p.tasks[:, 0]].any()
+    # Total attention work is the same; padding adds none.
+    assert dca.pairs.sum() == col.pairs.sum() == sum(plan(mbs[0], "colocated").pairs)
+
+
+def test_bubble_fraction_and_idle_share_without_attention():
+    """(P-1)/(M+P-1); with linear layers only (no attention, no comm, no head, no P2P) the tick model's
+    step is 3 x layers x lin x (M+P-1) and its idle share equals the bubble fraction."""
+    assert simulate.bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert simulate.bubble_fraction(1, 5) == 0.0
+    P, M, DP, layers, lin = 4, 6, 2, 3, 0.5
+    R = P * DP
+    z = np.zeros(R)
+    ticks = []
+    for t in range(M + P - 1):
+        active = np.repeat([m is not None for m in simulate.tick_microbatches(t, P, M)], DP)
+        ticks.append((simulate.RankCosts(z, z, z, z, z, np.zeros(R, np.int64), z), active))
+    for pingpong in (False, True):
+        st = simulate.pp_tick_step(ticks, P, layers, lin, 0.0, 2.0, pingpong, 0.0)
+        assert st.step_s == pytest.approx(3 * layers * lin * (M + P - 1))
+        assert st.idle_frac == pytest.approx(simulate.bubble_fraction(P, M))
+        assert st.bound_s == pytest.approx(st.step_s)
+
+
+def test_gpipe_critical_path():
+    """Uniform stage times: GPipe = (M+P-1)(f+b), as the tick model; a slow first and last micro-batch:
+    the hand-computed 42 s, below the tick-synchronous 50 s; never above the tick model on random times."""
+    P, M = 3, 4
+    f = np.full((1, P, M), 2.0)
+    assert simulate.gpipe_time(f, 2 * f, 0.0)[0] == pytest.approx((M + P - 1) * 6.0)
+    f = np.tile(np.array([5.0, 1.0, 5.0]), (1, 3, 1))
+    assert simulate.gpipe_time(f, f, 0.0)[0] == pytest.approx(42.0)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        P, M = rng.integers(1, 6, 2)
+        f, b = rng.exponential(1.0, (2, 1, P, M))
+        p2p = float(rng.exponential(0.1))
+        tick = 0.0
+        for t in range(M + P - 1):
+            on = [(s, m) for s, m in enumerate(simulate.tick_microbatches(t, P, M)) if m is not None]
+            tick += max(f[0, s, m] for s, m in on) + max(b[0, s, m] for s, m in on)
+        tick += 2 * (M + P - 2) * p2p
+        assert simulate.gpipe_time(f, b, p2p)[0] <= tick + 1e-9
+
+
+def test_pp_rows_cad_spreads_ticks_and_beats_colocated(quick_pp):
+    """--quick --pp: every policy x ping-pong; distca's per-tick max/mean compute is <= colocated's, its
+    idle share and step are lower, and it is at least its own perfect-spread bound."""
+    rows = quick_pp
+    assert len(rows) == 2 * 2 * len(simulate.PP_POLICIES) * 2
+    by = {(r["doclens"], r["gpus"], r["policy"], r["pingpong"]): r for r in rows}
+    for r in rows:
+        assert (r["pp"], r["microbatches"], r["dp"] * r["pp"]) == (4, 8, r["ca_ranks"])
+        assert r["bubble"] == pytest.approx(3 / 11)
+        assert r["schedule"] == ("tick" if r["policy"] in simulate.TICK_POLICIES else "gpipe")
+        assert 0 < r["idle_frac"] < 1 and r["tick_spread"] >= 1.0
+    for (dist, gpus, policy, pp), r in by.items():
+        if policy != "distca":
+            continue
+        col = by[(dist, gpus, "colocated", pp)]
+        assert r["tick_spread"] <= col["tick_spread"]
+        assert r["idle_frac"] < col["idle_frac"]
+        assert r["step_s"] < col["step_s"]
+        assert r["step_s"] >= r["bound_s"] * (1 - 1e-9)
+        assert r["speedup_vs_colocated"] == pytest.approx(col["step_s"] / r["step_s"], rel=1e-3)
+
+
+def test_pp_cli_rejects_bad_stage_count():
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        simulate.main(["--pp", "3", "--gpus", "64", "--no-plot"])  # 8 CA ranks are not divisible by 3
