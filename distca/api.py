@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Sequence
 
 import numpy as np
 import torch
@@ -93,6 +93,7 @@ def prepare(
     *,
     tokens_per_rank: int | None = None,
     context: tuple[tuple[int, int, int], ...] = (),
+    padding: Sequence[int] = (),
     policy: Policy = "distca",
     dispatch: DispatchMeta | None = None,
     verify: Literal["now", "first_use"] = "now",
@@ -109,6 +110,12 @@ def prepare(
         tokens_per_rank: T; default cu_seqlens[-1] / R.
         context: with cu_seqlens, the documents this nano-batch continues from the previous
             one (:attr:`Layout.context`).
+        padding: with cu_seqlens, the indices of padding documents (:attr:`Layout.padding`,
+            sorted, no repeats, none in ``context``): placeholder rows, e.g. of an idle
+            pipeline stage, that need no core attention. No rank serves them;
+            ``core_attention`` returns 0 for their rows, with q, k, v gradients 0, and a rank
+            whose rows are all padding still serves other ranks' tasks. A bad ``padding``
+            raises like any bad input (on every rank, see ``verify``).
         dispatch: with a Plan, this rank's ``distca.dispatch.build_dispatch(plan, rank)``
             made ahead of time (e.g. in a planning thread); default: built here.
         verify: ``"now"``: one small all-reduce here checks that every rank has the same
@@ -123,6 +130,8 @@ def prepare(
     err = None
     if context and isinstance(plan_or_cu_seqlens, (Plan, Layout)):
         p, err = None, "context is for cu_seqlens; a Plan or Layout carries its own (Layout.context)"
+    elif _given(padding) and isinstance(plan_or_cu_seqlens, (Plan, Layout)):
+        p, err = None, "padding is for cu_seqlens; a Plan or Layout carries its own (Layout.padding)"
     elif verify not in ("now", "first_use"):
         p, err = None, f'verify must be "now" or "first_use", got {verify!r}'
     elif dispatch is not None and not isinstance(plan_or_cu_seqlens, Plan):
@@ -151,7 +160,8 @@ def prepare(
         try:
             if T < 1:
                 raise ValueError(f"cu_seqlens[-1]={total} is not a positive multiple of the group size {R}")
-            p = make_plan(Layout(tuple(cu.tolist()), R, T, tuple(map(tuple, context))), policy, **plan_kwargs)
+            lay = Layout(tuple(cu.tolist()), R, T, tuple(map(tuple, context)), _as_padding(padding))
+            p = make_plan(lay, policy, **plan_kwargs)
         except (ValueError, TypeError) as e:
             err, p = str(e), None
     digest = int(p.digest()[:15], 16) if p is not None else 0
@@ -169,6 +179,21 @@ def _fields(digest: int, sig: tuple | None = None, mode: str | None = None) -> d
     """What every rank of a CA group must agree on; the same fields in every agreement, so
     that a rank in ``prepare`` and a rank in its first layer still pair up (and disagree)."""
     return {"plan (cu_seqlens digest)": digest, "q, k, v shapes and dtype": fingerprint(sig), "mode": fingerprint(mode)}
+
+
+def _given(padding: object) -> bool:
+    """Whether ``padding`` was passed: anything but an empty sequence (or 1-D tensor)."""
+    try:
+        return len(padding) > 0  # type: ignore[arg-type]
+    except TypeError:
+        return True  # not a sequence: an error with a Plan or Layout, reported by Layout otherwise
+
+
+def _as_padding(padding: object) -> object:
+    """A 1-D tensor of padding indices as a host list; anything else as given (Layout validates it)."""
+    if isinstance(padding, torch.Tensor) and padding.dim() == 1:
+        return padding.detach().cpu().tolist()
+    return padding
 
 
 def _as_numpy(cu: torch.Tensor | np.ndarray | list[int] | tuple[int, ...]) -> np.ndarray:
@@ -407,7 +432,8 @@ def core_attention(
 
     Returns:
         [T, Hq, D]: rows [r*T, (r+1)*T) of ``flash_attn_varlen_func(q_all, k_all,
-        v_all, cu_seqlens, cu_seqlens, causal=True)``. Differentiable in q, k, v.
+        v_all, cu_seqlens, cu_seqlens, causal=True)``. Differentiable in q, k, v. Rows of
+        the plan's padding documents (:attr:`Layout.padding`) are 0, with gradient 0.
         DTensor inputs sharded ``Shard(0)`` give a DTensor with the same placement.
 
     Example (2 processes, gloo)::

@@ -19,6 +19,12 @@ tasks fall in two kinds:
 The return trip reuses the send order: a returned row ``i`` is local row
 ``q_send_idx[i]`` (O, LSE, dQ) or ``kv_send_idx[i]`` (dK/dV, summed).
 
+Rows of padding documents (``Layout.padding``) are served by nobody: no task reads them
+and they are never sent. In the in-place call they are gap rows (queries without keys,
+keys without queries), which give out 0, lse -inf and a gradient of 0; a rank with padding
+rows but no in-place task gets those values without a kernel call
+(``DispatchMeta.padding_rows``, :class:`distca.exchange.Flight`).
+
 All index arrays live in ONE flat int64 tensor (``DispatchMeta.flat``); the fields
 are views of it, so moving the metadata to a device is one transfer
 (:meth:`DispatchMeta.to`).
@@ -62,13 +68,15 @@ class DispatchMeta:
     """int64: every index array below, back to back (one transfer to a device)."""
     # ---- in place ----
     local_cu_q: torch.Tensor
-    """int32 [L + 1] offsets into the home's q [T]; ends at T."""
+    """int32 [L + 1] offsets into the home's q [T]; ends at T (just ``[0]`` when no task runs in place)."""
     local_cu_k: torch.Tensor
-    """int32 [L + 1] offsets into the home's k/v [kv_rows]; ends at kv_rows."""
+    """int32 [L + 1] offsets into the home's k/v [kv_rows]; ends at kv_rows (``[0]`` likewise)."""
     local_max_q: int
     local_max_k: int
     local_tasks: int
     """Tasks run in place (gap tasks not counted); 0: no in-place kernel call."""
+    padding_rows: int
+    """This rank's rows of padding documents: served by nobody, their out/dq/dk/dv are 0."""
     # ---- home side ----
     q_send_idx: torch.Tensor
     """[S] local rows sent to servers, grouped by server; each row at most once."""
@@ -205,7 +213,9 @@ def _in_place(plan: Plan) -> np.ndarray:
 
 def _local_cu(plan: Plan, tasks: np.ndarray, kv_rows: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
     """int32 (cu_q, cu_k) of the in-place kernel call: ``tasks`` (this rank's, in place)
-    by query row, with gap tasks (queries without keys, keys without queries) between."""
+    by query row, with gap tasks (queries without keys, keys without queries) between.
+    Rows served elsewhere and padding rows fall in the query gaps (out 0, dq 0), K/V rows
+    no in-place task reads in the key gaps (dk, dv 0). No task: ``[0]``, no call."""
     lay = plan.layout
     T = lay.tokens_per_rank
     if tasks.shape[0] == 0:
@@ -243,6 +253,13 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
     RT = R * T
     if not 0 <= rank < R:
         raise ValueError(f"rank must be in [0, {R}) for a plan of {R} ranks, got {rank}")
+    pad_tasks = lay.is_padding[plan.tasks[:, 0]]
+    if pad_tasks.any():
+        raise AssertionError(
+            f"plan has tasks for padding documents {sorted(set(plan.tasks[pad_tasks, 0].tolist()))} "
+            "(Layout.padding): they need no core attention"
+        )
+    padding_rows = int(lay.padding_mask(rank).sum()) if lay.padding else 0
     in_place = _in_place(plan)
     local_cu_q, local_cu_k = _local_cu(plan, plan.tasks[in_place & (plan.tasks[:, 3] == rank)], lay.kv_rows, rank)
     t = plan.tasks[~in_place]  # still sorted by (server, doc, q_start)
@@ -258,8 +275,10 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
     q_send_idx = _ranges(lo[mine], hi[mine]) - my_lo
     q_send_splits = tuple(np.bincount(srv[mine], hi[mine] - lo[mine], R).astype(np.int64).tolist())
     n_local = int(np.diff(local_cu_q.astype(np.int64))[np.diff(local_cu_k.astype(np.int64)) > 0].sum())
-    if q_send_idx.size + n_local != T:
-        raise AssertionError(f"plan does not serve each of rank {rank}'s {T} query rows exactly once")
+    if q_send_idx.size + n_local + padding_rows != T:
+        raise AssertionError(
+            f"plan does not serve each of rank {rank}'s {T - padding_rows} non-padding query rows exactly once"
+        )
 
     # ---- KV groups: (server, doc) with the longest prefix any of its tasks needs.
     if doc.size:
@@ -324,6 +343,7 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
         local_max_q=int(lq.max()) if lq.size else 0,
         local_max_k=int(lk.max()) if lk.size else 0,
         local_tasks=int(((lq > 0) & (lk > 0)).sum()),
+        padding_rows=padding_rows,
         q_send_splits=q_send_splits,
         kv_send_splits=kv_send_splits,
         q_recv_splits=q_recv_splits,

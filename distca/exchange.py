@@ -19,7 +19,9 @@ Rows a server holds itself (tasks in place, :mod:`distca.dispatch`) never enter 
 the in-place kernel reads ``q``/``k``/``v`` where they are and its outputs become ``out``,
 ``lse``, ``dq``, ``dk``, ``dv`` directly. Only exchanged rows are packed: the parts of one
 message (e.g. K and V, or O and LSE) are gathered straight into one uint8 buffer, one copy
-per part each way.
+per part each way. Rows of padding documents are served by nobody: they come out 0 (lse
+-inf) with gradients 0, as gap rows of the in-place call or, on a rank with no in-place
+task, from zero-filled outputs.
 
 Transport: ``all_to_all_single`` with ``async_op=True`` (gloo's own thread on CPU; NCCL's
 stream on CUDA, where ``wait`` is a stream wait). Every rank must run the phases of all
@@ -189,8 +191,11 @@ class Flight:
         """Server: the in-place tasks, then the received ones; start returning O and LSE."""
         m = self.meta
         q, k, v = self._home
-        if m.local_tasks:
+        if m.local_tasks:  # padding rows are gap rows of this call: out 0, lse -inf
             out, lse = self._kernel_fwd(q, k, v, m.local_cu_q, m.local_cu_k, m.local_max_q, m.local_max_k)
+        elif m.padding_rows:  # land() writes the rows served elsewhere; padding rows stay 0 / -inf
+            out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+            lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
         else:  # every row is served elsewhere; land() writes them all
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
@@ -246,8 +251,8 @@ class Flight:
             dq, dk, dv = self._kernel_bwd(
                 dout, q, k, v, out, lse, m.local_cu_q, m.local_cu_k, m.local_max_q, m.local_max_k
             )
-        else:
-            dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        else:  # land_bwd() writes the rows served elsewhere; padding rows' dq stays 0
+            dq = (torch.zeros if m.padding_rows else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
             dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
             dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
         self._home, self._result = (), (dq, dk, dv)

@@ -16,8 +16,17 @@ Positions of such a layout are read in a "KV space" where ``[0, R * T)`` is this
 nano-batch's stream and ``[-R * T, 0)`` the previous one's (home rank of a
 position g: ``(g mod R*T) // T``).
 
+Padding documents. Some documents may be placeholders (``Layout.padding``), e.g. the
+rows of an idle pipeline stage in warm-up or drain: their tokens hold a place in the
+linear layers' layout (every rank still has T rows) but need no core attention. No
+plan gives them a task, so nobody serves their queries or reads their keys; core
+attention returns 0 for their rows and gives their q, k, v a gradient of exactly 0. A
+rank whose rows are all padding is still an attention server for other ranks' tasks.
+``Layout.segments`` lists every piece, padding included (the linear layers' view);
+``Layout.attention_segments`` only the pieces that need core attention.
+
 Shape legend: R ranks, T tokens per rank, N documents, S segments (the pieces
-of documents cut by rank boundaries; S <= N + R - 1).
+of documents cut by rank boundaries; S <= N + R - 1), P padding documents.
 """
 
 from __future__ import annotations
@@ -94,6 +103,30 @@ def _check_context(context: object, num_docs: int, total: int) -> tuple[tuple[in
     return tuple(out)
 
 
+def _check_padding(padding: object, num_docs: int, context: tuple[tuple[int, int, int], ...]) -> tuple[int, ...]:
+    if isinstance(padding, (str, bytes)):
+        raise TypeError(f"padding must be a sequence of document indices, got {padding!r}")
+    try:
+        entries = list(padding)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"padding must be a sequence of document indices, got {padding!r}") from None
+    continued = {doc for doc, _, _ in context}
+    out: list[int] = []
+    for i, x in enumerate(entries):
+        doc = _as_int(f"padding[{i}]", x)
+        if not 0 <= doc < num_docs:
+            raise ValueError(f"padding[{i}]: doc must be in [0, {num_docs}), got {doc}")
+        if out and doc <= out[-1]:
+            raise ValueError(f"padding must be sorted without repeats, got doc {doc} after {out[-1]}")
+        if doc in continued:
+            raise ValueError(
+                f"padding[{i}]: doc {doc} continues a document of the previous nano-batch (context); "
+                "a padding document needs no attention, so it has no context"
+            )
+        out.append(doc)
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Global document boundaries of a CA group of ``ranks`` x ``tokens_per_rank`` tokens.
@@ -116,6 +149,10 @@ class Layout:
     """Documents continued from the previous nano-batch (same R and T), as ``(doc, tokens, end)``:
     document ``doc``'s first ``tokens`` tokens are that nano-batch's stream positions
     ``[end - tokens, end)``. Sorted by ``doc``; empty for a stand-alone layout."""
+    padding: tuple[int, ...] = ()
+    """Indices of padding documents, sorted, without repeats: tokens that hold a place in the
+    linear layers' layout but need no core attention (no task, output 0, gradient 0; see the
+    module docstring). A padding document is not in ``context``. Empty: every document is real."""
 
     def __post_init__(self) -> None:
         ranks = _as_int("ranks", self.ranks)
@@ -145,6 +182,7 @@ class Layout:
         object.__setattr__(self, "tokens_per_rank", tokens)
         object.__setattr__(self, "cu_seqlens", tuple(cu.tolist()))
         object.__setattr__(self, "context", _check_context(self.context, cu.size - 1, ranks * tokens))
+        object.__setattr__(self, "padding", _check_padding(self.padding, cu.size - 1, self.context))
 
     # ---- construction -------------------------------------------------------------
 
@@ -196,6 +234,21 @@ class Layout:
         arr = np.diff(self.cu_array)
         arr.flags.writeable = False
         return arr
+
+    @functools.cached_property
+    def is_padding(self) -> np.ndarray:
+        """Whether each document is padding (:attr:`padding`), read-only bool [N]."""
+        arr = np.zeros(self.num_docs, dtype=bool)
+        arr[list(self.padding)] = True
+        arr.flags.writeable = False
+        return arr
+
+    def padding_mask(self, rank: int) -> np.ndarray:
+        """Whether each of ``rank``'s T rows belongs to a padding document, bool [T]."""
+        rank = self._check_rank(rank)
+        T = self.tokens_per_rank
+        g = np.arange(rank * T, (rank + 1) * T, dtype=np.int64)
+        return self.is_padding[np.searchsorted(self.cu_array, g, side="right") - 1]
 
     @functools.cached_property
     def context_tokens(self) -> np.ndarray:
@@ -253,7 +306,7 @@ class Layout:
 
     @functools.cached_property
     def segments(self) -> Segments:
-        """Every (rank, document) piece, vectorised; see :class:`Segments`."""
+        """Every (rank, document) piece, padding documents included, vectorised; see :class:`Segments`."""
         T = self.tokens_per_rank
         cu = self.cu_array
         bounds = np.arange(0, self.total_tokens + 1, T, dtype=np.int64)
@@ -264,6 +317,19 @@ class Layout:
         rank = g0 // T
         start = g0 - cu[doc] + self.context_tokens[doc]
         out = Segments(rank, doc, start, start + (g1 - g0), g0 - rank * T)
+        for a in out:
+            a.flags.writeable = False
+        return out
+
+    @functools.cached_property
+    def attention_segments(self) -> Segments:
+        """The pieces that need core attention: :attr:`segments` without those of padding
+        documents (the same object when there is no padding). What the planners start from."""
+        s = self.segments
+        if not self.padding:
+            return s
+        keep = ~self.is_padding[s.doc]
+        out = Segments(*(a[keep] for a in s))
         for a in out:
             a.flags.writeable = False
         return out
@@ -303,6 +369,12 @@ def split_nano_batches(layout: Layout, order: Literal["stream", "rows"] = "strea
     context (:attr:`Layout.context`), so running the two nano-batches one after the other
     (or in ping-pong) computes the same attention as ``layout`` itself.
 
+    Padding documents (:attr:`Layout.padding`) stay padding: a token is padding in its
+    nano-batch iff it is in ``layout``. They need no keys, so they are never context, may
+    cross rank boundaries with ``order="rows"``, and the pieces of one padding document that
+    end up adjacent in a nano-batch form one padding document there (positions of padding
+    tokens are not preserved; nothing reads them).
+
     Args:
         layout: the step's layout (``R`` ranks x ``T`` tokens, ``T`` even, no context).
         order: which tokens form each nano-batch.
@@ -310,8 +382,8 @@ def split_nano_batches(layout: Layout, order: Literal["stream", "rows"] = "strea
             holding its ``r``-th ``T/2`` tokens (ranks hold other tokens than in ``layout``;
             documents may cross ranks). ``"rows"``: nano-batch ``n`` is half ``n`` of every
             rank's row (each rank keeps its tokens: rows ``[0, T/2)`` then ``[T/2, T)``);
-            documents must not cross a rank boundary, since the end of row ``r - 1`` (nano-batch 1)
-            would come before the start of row ``r`` (nano-batch 0).
+            documents other than padding must not cross a rank boundary, since the end of row
+            ``r - 1`` (nano-batch 1) would come before the start of row ``r`` (nano-batch 0).
 
     Example:
         >>> full = Layout((0, 6, 8, 16), ranks=2, tokens_per_rank=8)
@@ -336,6 +408,7 @@ def split_nano_batches(layout: Layout, order: Literal["stream", "rows"] = "strea
         nano, q0 = a // (R * half), a % (R * half)
     else:
         nano, q0 = (a % T) // half, (a // T) * half + a % half
+    pad = layout.is_padding
     # Per nano-batch: its pieces in nano-stream order; merge runs of one document.
     parts: list[list[list[int]]] = [[], []]  # [doc, q_start, q_end, full_start, full_end]
     for n in (0, 1):
@@ -344,7 +417,8 @@ def split_nano_batches(layout: Layout, order: Literal["stream", "rows"] = "strea
             d, qa, fa, fb = int(doc[i]), int(q0[i]), int(a[i]), int(b[i])
             run = parts[n][-1] if parts[n] else None
             if run is not None and run[0] == d:
-                if run[4] != fa:  # same document, but not the next tokens of it
+                # Same document, but not the next tokens of it: only padding (no attention) may.
+                if run[4] != fa and not pad[d]:
                     raise ValueError(_cross_msg(d, cu, order))
                 run[2], run[4] = qa + fb - fa, fb
             else:
@@ -352,6 +426,8 @@ def split_nano_batches(layout: Layout, order: Literal["stream", "rows"] = "strea
     first = {}
     for n in (0, 1):
         for run in parts[n]:
+            if pad[run[0]]:
+                continue  # padding needs no keys: it may be in several runs, and is never context
             if run[0] in first and (n == 0 or first[run[0]][0] == 1):
                 raise ValueError(_cross_msg(run[0], cu, order))  # a document in two runs of one nano-batch
             first.setdefault(run[0], (n, run))
@@ -362,12 +438,15 @@ def split_nano_batches(layout: Layout, order: Literal["stream", "rows"] = "strea
         ctx = []
         if n == 1:
             for j, (d, _, _, fa, _) in enumerate(runs):
+                if pad[d]:
+                    continue
                 n0, r0 = first[d]
                 if n0 == 0:
                     if r0[4] != fa:  # nano-batch 0's part must end right before this one
                         raise ValueError(_cross_msg(d, cu, order))
                     ctx.append((j, fa - int(cu[d]), r0[2]))
-        out.append(Layout(cu_n, R, half, tuple(ctx)))
+        padding = tuple(j for j, r in enumerate(runs) if pad[r[0]])
+        out.append(Layout(cu_n, R, half, tuple(ctx), padding))
     return out[0], out[1]
 
 

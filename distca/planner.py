@@ -15,6 +15,11 @@ Policies (one interface, ``plan(layout, policy=...)``):
   largest first, best work-per-byte candidate with its byte estimate of Q plus
   the whole document's KV, head+tail splits, stop when within ``tolerance``.
 - ``distca`` (default): ours, see :func:`_plan_distca`.
+
+Padding documents (``Layout.padding``) get no task under any policy: their rows are
+served by nobody and count in no load, pair or byte. A rank whose rows are all padding
+is a server like any other (load 0 under ``colocated``; the balancing policies give it
+work like any underloaded rank).
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ class Plan:
 
     ``tasks`` is a read-only int64 array [N, 4] of (doc, q_start, q_end, server),
     sorted by (server, doc, q_start); each task's queries are the in-document
-    positions [q_start, q_end) and its KV is the prefix [0, q_end). Loads and
-    traffic are modelled for one layer's forward.
+    positions [q_start, q_end) and its KV is the prefix [0, q_end). Padding documents
+    (``layout.padding``) have no task. Loads and traffic are modelled for one layer's forward.
     """
 
     layout: Layout
@@ -86,11 +91,15 @@ class Plan:
         return self.tasks[lo:hi]
 
     def digest(self) -> str:
-        """SHA-256 of the layout and tasks: equal on every rank iff the plans are equal."""
+        """SHA-256 of the layout (padding included) and tasks: equal on every rank iff the plans are equal."""
+        lay = self.layout
         h = hashlib.sha256()
-        h.update(np.asarray([self.layout.ranks, self.layout.tokens_per_rank], dtype=np.int64).tobytes())
-        h.update(self.layout.cu_array.tobytes())
-        h.update(np.asarray(self.layout.context, dtype=np.int64).tobytes())
+        # Section lengths first, so that no two layouts hash the same bytes.
+        sizes = [lay.ranks, lay.tokens_per_rank, lay.num_docs, len(lay.context), len(lay.padding), self.num_tasks]
+        h.update(np.asarray(sizes, dtype=np.int64).tobytes())
+        h.update(lay.cu_array.tobytes())
+        h.update(np.asarray(lay.context, dtype=np.int64).tobytes())
+        h.update(np.asarray(lay.padding, dtype=np.int64).tobytes())
         h.update(np.ascontiguousarray(self.tasks).tobytes())
         return h.hexdigest()
 
@@ -108,6 +117,7 @@ class Plan:
                 "tokens_per_rank": self.layout.tokens_per_rank,
                 "cu_seqlens": list(self.layout.cu_seqlens),
                 "context": [list(c) for c in self.layout.context],
+                "padding": list(self.layout.padding),
                 "policy": self.policy,
                 "tasks": self.tasks.tolist(),
                 "shape": vars(self.shape),
@@ -123,7 +133,10 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         d = json.loads(text)
-        layout = Layout(tuple(d["cu_seqlens"]), d["ranks"], d["tokens_per_rank"], tuple(map(tuple, d.get("context", ()))))
+        layout = Layout(
+            tuple(d["cu_seqlens"]), d["ranks"], d["tokens_per_rank"],
+            tuple(map(tuple, d.get("context", ()))), tuple(d.get("padding", ())),
+        )  # fmt: skip
         t = np.asarray(d["tasks"], dtype=np.int64).reshape(-1, 4)
         return _finalize(
             layout,
@@ -201,8 +214,8 @@ def plan(
     shape = _resolve_shape(shape)
     cm = _resolve_cost(cost_model, shape)
 
-    s = layout.segments
-    held = (s.doc, s.start, s.end, s.rank)  # the colocated plan: every piece served where it lives
+    s = layout.attention_segments
+    held = (s.doc, s.start, s.end, s.rank)  # the colocated plan: every non-padding piece served where it lives
     if policy == "colocated":
         cols = held
     elif policy == "per_doc_cp":
@@ -303,8 +316,9 @@ def _finalize(
 
 def _plan_per_doc_cp(layout: Layout, min_shard: int):
     R = layout.ranks
-    L = layout.doc_lens
-    c = layout.context_tokens  # queries of a continued document start after its context
+    docs = np.nonzero(~layout.is_padding)[0]  # padding documents get no chunk
+    L = layout.doc_lens[docs]
+    c = layout.context_tokens[docs]  # queries of a continued document start after its context
     k = np.clip(L // (2 * min_shard), 1, R)  # ranks per document
     # Documents start on the rank after the one the previous document started on,
     # so documents spread over fewer than R ranks still spread the load.
@@ -318,7 +332,7 @@ def _plan_per_doc_cp(layout: Layout, min_shard: int):
     slot = np.where(i < k[d], i, nd - 1 - i)  # chunk i and chunk 2k-1-i share a rank
     server = (first[d] + slot) % R
     keep = hi > lo
-    return d[keep], lo[keep], hi[keep], server[keep]
+    return docs[d[keep]], lo[keep], hi[keep], server[keep]
 
 
 # ---- the paper's greedy ----------------------------------------------------------------
@@ -332,7 +346,7 @@ def _plan_greedy(layout: Layout, shape: ModelShape, tolerance: float):
     k * (h1 + t0 + 1) causal pairs. The byte estimate is the code's: Q rows for
     flops / (L + 1) tokens plus K and V of the whole document.
     """
-    s = layout.segments
+    s = layout.attention_segments
     R = layout.ranks
     n0 = s.doc.size
     cap = n0 + 4 * R + 16
@@ -791,7 +805,7 @@ def _plan_distca(
     """
     R = layout.ranks
     if R == 1:
-        s = layout.segments
+        s = layout.attention_segments
         return s.doc, s.start, s.end, s.rank
     # A shard can't be asked to exceed half of what a rank holds: with tiny ranks
     # (T < 2 * min_shard) the tile floor would otherwise forbid any balancing.
@@ -826,9 +840,10 @@ def _initial_pieces(layout: Layout, min_shard: int):
     Such slivers (a document continuing for a few tokens on the next rank) are made by
     the layout, not the balancer; left alone they would be tiny kernel tasks. Joining
     them before balancing lets the balancer account for the few rows that move.
-    Returns a :class:`Segments`-like tuple in stream order (so still sorted by rank).
+    Padding documents have no piece. Returns a :class:`Segments`-like tuple in stream order
+    (so still sorted by rank).
     """
-    s = layout.segments
+    s = layout.attention_segments
     qlen = s.end - s.start
     sliver = (qlen < min_shard) & (layout.doc_lens[s.doc] >= min_shard)
     if not sliver.any():

@@ -4,17 +4,23 @@ import numpy as np
 import pytest
 import torch
 
+import distca
+from distca import Layout
+
 from dist_utils import run_workers
 from test_dispatch import ref_attention
 
 POLICIES = ("distca", "greedy", "per_doc_cp", "colocated")
 
 
-def _reference(cu, q, k, v, dout):
+def _reference(cu, q, k, v, dout, padding=()):
+    """fp64 (out, dq, dk, dv); rows of padding documents: out 0, gradients 0."""
     q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
-    out = ref_attention(q64, k64, v64, cu)
-    (out * dout.double()).sum().backward()
-    return out.detach(), q64.grad, k64.grad, v64.grad
+    out = ref_attention(q64, k64, v64, cu, padding)
+    loss = (out * dout.double()).sum()
+    if loss.requires_grad:  # not when every row is padding
+        loss.backward()
+    return out.detach(), *(torch.zeros_like(x) if x.grad is None else x.grad for x in (q64, k64, v64))
 
 
 def _exactness_worker(rank, world, cases):
@@ -299,3 +305,100 @@ def test_keep_mode_stashes_only_for_backward_and_plans_are_freed_with_their_owne
     for no_grad, with_grad, after_bwd, freed, err in run_workers(_lifetime_worker, 2, timeout=120):
         assert (no_grad, with_grad, after_bwd) == (0, 1, 0)
         assert freed and "names no live DispatchPlan" in err, err
+
+
+# ---- padding documents ----------------------------------------------------------------------
+
+
+def _check_padded(got, ref, pad_rows, tol, what):
+    """got/ref: (out, dq, dk, dv) of one rank's rows; padding rows must be exactly 0 and finite."""
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert torch.isfinite(g).all(), f"{name} not finite ({what})"
+        assert torch.all(g[pad_rows] == 0), f"{name} of padding rows not 0 ({what})"
+        err = (g.double() - w).abs().max().item()
+        assert err <= tol * (1 + w.abs().max().item()), f"{name} error {err:.2e} ({what})"
+
+
+def _padding_worker(rank, world):
+    import distca
+
+    T, hq, hkv, d = 256, 4, 2, 16
+    N = world * T
+    cases = [
+        # Rank 1 all padding (an idle pipeline stage), rank 0 one long document.
+        ([0, T, N], (1,)),
+        # Padding between real documents on rank 0 (gap rows of its in-place call); a document
+        # crossing into rank 1, whose tail is padding.
+        ([0, 100, 160, T + 50, N], (1, 3)),
+    ]
+    served, msgs = {}, {}
+    for ci, (cu, pad) in enumerate(cases):
+        g = torch.Generator().manual_seed(ci)
+        q, k, v, dout = (torch.randn(N, h, d, generator=g) for h in (hq, hkv, hkv, hq))
+        ref = _reference(cu, q, k, v, dout, pad)
+        sl = slice(rank * T, (rank + 1) * T)
+        pad_rows = torch.from_numpy(distca.Layout(tuple(cu), world, T, padding=pad).padding_mask(rank))
+        for j, policy in enumerate(POLICIES):
+            mode = ("resend", "keep")[(ci + j) % 2]
+            dp = distca.prepare(cu, padding=pad, policy=policy, min_shard=8)  # default cost model and shape
+            assert dp.plan.layout.padding == pad
+            ql, kl, vl = (x[sl].clone().requires_grad_() for x in (q, k, v))
+            out = distca.core_attention(ql, kl, vl, torch.tensor(cu), plan=dp, mode=mode)
+            (out * dout[sl]).sum().backward()
+            got = (out.detach(), ql.grad, kl.grad, vl.grad)
+            _check_padded(got, [x[sl] for x in ref], pad_rows, 1e-5, f"case {ci}, {policy}, {mode}")
+            served[(ci, policy)] = (dp.meta.num_tasks, dp.meta.q_recv_rows, dp.meta.local_tasks, dp.meta.padding_rows)
+
+    def expect(name, fn):
+        try:
+            fn()
+        except ValueError as e:
+            msgs[name] = str(e)
+        else:
+            msgs[name] = None
+
+    # A bad padding on one rank raises on every rank (the prepare agreement), as does padding with a Plan.
+    expect("bad_padding", lambda: distca.prepare([0, T, N], padding=(2,) if rank == 0 else (1,)))
+    lay = distca.Layout((0, T, N), world, T, padding=(1,))
+    expect("padding_with_plan", lambda: distca.prepare(distca.plan(lay), padding=(1,) if rank == 1 else ()))
+    return served, msgs
+
+
+@pytest.mark.slow
+def test_padding_rows_are_zero_and_an_all_padding_rank_serves():
+    world, T = 2, 256
+    res = run_workers(_padding_worker, world, timeout=120)
+    (s0, m0), (s1, m1) = res
+    # Under distca rank 1 (all padding, nothing to run in place) serves a share of rank 0's document.
+    tasks, q_rows, local, pad = s1[(0, "distca")]
+    assert tasks > 0 and q_rows > 0.2 * T and local == 0 and pad == T, s1[(0, "distca")]
+    assert s1[(0, "colocated")] == (0, 0, 0, T)  # colocated: rank 1 runs nothing, its rows stay 0
+    assert s0[(1, "colocated")][3] == 60 and s1[(1, "colocated")][3] == T - 50
+    assert "padding[0]: doc must be in [0, 2), got 2" in m0["bad_padding"] and "another rank" in m1["bad_padding"]
+    assert "padding is for cu_seqlens" in m1["padding_with_plan"] and "another rank" in m0["padding_with_plan"]
+
+
+def test_padding_in_one_process():
+    """The op (custom ops + autograd) on a 1-rank group, where no row moves (no collective): padding
+    rows between real documents are gap rows of the in-place call; a layout of padding only runs
+    no kernel at all. Both give out 0 and gradients 0 for padding rows, exactly."""
+    from distca import api, kernels
+    from distca.dispatch import build_dispatch
+
+    T, hq, hkv, d = 200, 4, 2, 16
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(T, h, d, generator=g) for h in (hq, hkv, hkv, hq))
+    for cu, pad in (([0, 50, 90, 150, 170, T], (1, 3)), ([0, 120, T], (0, 1)), ([0, T], ())):
+        lay = Layout(tuple(cu), 1, T, padding=pad)
+        p = distca.plan(lay, "colocated")
+        meta = build_dispatch(p, 0)
+        assert meta.local_only and not meta.moves_rows and meta.padding_rows == int(lay.padding_mask(0).sum())
+        assert meta.local_tasks == lay.num_docs - len(pad)
+        dp = api.DispatchPlan(p, meta, None, torch.tensor([next(api._IDS)]), digest=1)
+        api._LIVE[int(dp.handle)] = dp
+        ref = _reference(cu, q, k, v, dout, pad)
+        for mode in ("resend", "keep"):
+            ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
+            out = api._CoreAttentionFn.apply(ql, kl, vl, dp.handle, dp, d**-0.5, mode, kernels.select_backend("cpu"), True)
+            (out * dout).sum().backward()
+            _check_padded((out.detach(), ql.grad, kl.grad, vl.grad), ref, torch.from_numpy(lay.padding_mask(0)), 1e-5, f"{cu}, {mode}")

@@ -12,11 +12,14 @@ from distca.dispatch import build_dispatch
 from test_layout import layouts
 
 
-def ref_attention(q, k, v, cu):
-    """fp64 causal attention, each document attending to itself (bottom-right = top-left here)."""
-    out = torch.empty_like(q)
+def ref_attention(q, k, v, cu, padding=()):
+    """fp64 causal attention, each document attending to itself (bottom-right = top-left here);
+    rows of ``padding`` documents are 0 (so their q, k, v get no gradient)."""
+    out = torch.zeros_like(q)
     rep = q.shape[1] // k.shape[1]
-    for a, b in zip(cu[:-1], cu[1:]):
+    for d, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        if d in padding:
+            continue
         qq, kk, vv = q[a:b], k[a:b].repeat_interleave(rep, 1), v[a:b].repeat_interleave(rep, 1)
         s = torch.einsum("qhd,khd->hqk", qq, kk) / q.shape[-1] ** 0.5
         n = b - a
@@ -26,8 +29,9 @@ def ref_attention(q, k, v, cu):
 
 
 def task_attention(q, k, v, cu_q, cu_k):
-    """fp64 varlen attention with bottom-right causal alignment (the kernel contract)."""
-    out = torch.empty_like(q)
+    """fp64 varlen attention with bottom-right causal alignment (the kernel contract); rows in
+    no task (a rank's padding rows when it runs nothing in place) are 0, as in the exchange."""
+    out = torch.zeros_like(q)
     rep = q.shape[1] // k.shape[1]
     for i in range(len(cu_q) - 1):
         qa, qb, ka, kb = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
@@ -68,9 +72,25 @@ def simulate(p, q, k, v):
     return torch.cat(out)
 
 
+def check_padding_rows(p, out):
+    """Padding rows are served by nobody, never sent, and come out exactly 0."""
+    lay = p.layout
+    pad = np.concatenate([lay.padding_mask(r) for r in range(lay.ranks)])
+    assert torch.all(out[torch.from_numpy(pad)] == 0)
+    for r in range(lay.ranks):
+        m = build_dispatch(p, r)
+        assert m.padding_rows == int(lay.padding_mask(r).sum())
+        assert not lay.padding_mask(r)[m.q_send_idx.numpy()].any()
+        # In the in-place call padding rows are query gaps (no keys): out 0 there, no kernel work.
+        cq, ck = m.local_cu_q.numpy(), m.local_cu_k.numpy()
+        for a, b, c, e in zip(cq[:-1], cq[1:], ck[:-1], ck[1:]):
+            if e > c:
+                assert not lay.padding_mask(r)[a:b].any()
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=25)
-@given(lay=layouts(max_ranks=4, max_tokens=64), hkv=st.sampled_from([1, 2]))
+@given(lay=layouts(max_ranks=4, max_tokens=64, padding=True), hkv=st.sampled_from([1, 2]))
 def test_simulated_dispatch_is_exact(policy, lay, hkv):
     torch.manual_seed(0)
     N = lay.total_tokens
@@ -79,7 +99,8 @@ def test_simulated_dispatch_is_exact(policy, lay, hkv):
     v = torch.randn(N, hkv, 8, dtype=torch.float64)
     p = plan(lay, policy, min_shard=4)
     out = simulate(p, q, k, v)
-    torch.testing.assert_close(out, ref_attention(q, k, v, list(lay.cu_seqlens)), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(out, ref_attention(q, k, v, list(lay.cu_seqlens), lay.padding), atol=1e-10, rtol=1e-10)
+    check_padding_rows(p, out)
 
 
 def _nano_rows(full: Layout, order: str, n: int, r: int) -> slice:
@@ -92,16 +113,21 @@ def _nano_rows(full: Layout, order: str, n: int, r: int) -> slice:
 @pytest.mark.parametrize("order", ["stream", "rows"])
 @pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=20)
-@given(full=layouts(max_ranks=4, max_tokens=48).filter(lambda l: l.tokens_per_rank % 2 == 0), hkv=st.sampled_from([1, 2]))
+@given(
+    full=layouts(max_ranks=4, max_tokens=48, padding=True).filter(lambda l: l.tokens_per_rank % 2 == 0),
+    hkv=st.sampled_from([1, 2]),
+)
 def test_nano_batches_that_continue_documents_are_exact(order, policy, full, hkv):
-    """Nano-batch 1 reads nano-batch 0's K/V rows: together they equal attention over the full layout."""
+    """Nano-batch 1 reads nano-batch 0's K/V rows: together they equal attention over the full layout
+    (padding documents, which split_nano_batches carries, included: their rows are 0)."""
     T = full.tokens_per_rank
-    if order == "rows" and any(full.cu_array[d] // T != (full.cu_array[d + 1] - 1) // T for d in range(full.num_docs)):
+    crosses = [full.cu_array[d] // T != (full.cu_array[d + 1] - 1) // T for d in range(full.num_docs)]
+    if order == "rows" and any(c and not full.is_padding[d] for d, c in enumerate(crosses)):
         return  # rejected by split_nano_batches (tested in test_layout)
     torch.manual_seed(0)
     N, R = full.total_tokens, full.ranks
     q, k, v = (torch.randn(N, h, 8, dtype=torch.float64) for h in (2, hkv, hkv))
-    ref = ref_attention(q, k, v, list(full.cu_seqlens))
+    ref = ref_attention(q, k, v, list(full.cu_seqlens), full.padding)
     lays = split_nano_batches(full, order)
     rows = [[_nano_rows(full, order, n, r) for r in range(R)] for n in (0, 1)]
     for n, lay in enumerate(lays):
@@ -114,6 +140,7 @@ def test_nano_batches_that_continue_documents_are_exact(order, policy, full, hkv
         out = simulate(p, qn, kn, vn)
         want = torch.cat([ref[rows[n][r]] for r in range(R)])
         torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+        check_padding_rows(p, out)
 
 
 def test_kv_rows_sent_once_per_server():
@@ -130,6 +157,28 @@ def test_kv_rows_sent_once_per_server():
         assert m.kv_task_idx.max() < sum(m.kv_recv_splits)
         local = [i for a, b, c, d in zip(m.local_cu_q[:-1], m.local_cu_q[1:], m.local_cu_k[:-1], m.local_cu_k[1:]) if d > c for i in range(a, b)]
         assert sorted(m.q_send_idx.tolist() + local) == list(range(64))
+
+
+def test_padding_rows_are_counted_and_never_served():
+    # Rank 1 holds padding only (an idle pipeline stage) and serves part of rank 0's document;
+    # rank 0's last rows are padding too, a query gap of its in-place call.
+    T = 2048
+    lay = Layout((0, T - 64, T, 2 * T), 2, T, padding=(1, 2))
+    p = plan(lay, "distca")
+    m0, m1 = build_dispatch(p, 0), build_dispatch(p, 1)
+    assert (m0.padding_rows, m1.padding_rows) == (64, T)
+    assert m1.local_tasks == 0 and m1.num_tasks > 0 and m1.q_recv_rows > 0.2 * T  # a server like any other
+    assert m0.q_send_idx.numel() == m1.q_recv_rows and int(m0.q_send_idx.max()) < T - 64
+    assert m0.local_tasks > 0 and int(m0.local_cu_q[-1]) == T  # the in-place call covers every row
+    # A plan that serves a padding document is refused.
+    import json
+
+    from distca import Plan
+
+    d = json.loads(plan(Layout(lay.cu_seqlens, 2, T), "colocated").to_json())
+    d["padding"] = [2]
+    with pytest.raises(AssertionError, match=r"plan has tasks for padding documents \[2\]"):
+        build_dispatch(Plan.from_json(json.dumps(d)), 0)
 
 
 def test_bad_rank():

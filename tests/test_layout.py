@@ -7,19 +7,32 @@ from distca import Layout, split_nano_batches
 
 
 @st.composite
-def layouts(draw, max_ranks=6, max_tokens=300):
+def layouts(draw, max_ranks=6, max_tokens=300, padding=False):
+    """Random layouts; ``padding=True``: often with padding documents, among them, often, whole
+    ranks of padding (idle pipeline stages: their rows are cut at the rank boundaries)."""
     R = draw(st.integers(1, max_ranks))
     T = draw(st.integers(1, max_tokens))
     total = R * T
     n_cuts = draw(st.integers(0, min(total - 1, 40)))
     cuts = draw(st.lists(st.integers(1, total - 1), min_size=n_cuts, max_size=n_cuts, unique=True)) if total > 1 else []
-    return Layout(tuple([0, *sorted(cuts), total]), R, T)
+    kind = draw(st.sampled_from(["none", "idle ranks", "documents", "both"])) if padding else "none"
+    if kind == "none":
+        return Layout(tuple([0, *sorted(cuts), total]), R, T)
+    idle = draw(st.sets(st.integers(0, R - 1), min_size=1, max_size=R)) if kind != "documents" else set()
+    cu = sorted({0, total, *cuts, *(r * T for r in idle), *((r + 1) * T for r in idle)})
+    n = len(cu) - 1
+    pad = {d for d in range(n) if cu[d] // T in idle}
+    if kind != "idle ranks":
+        pad |= draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=n))
+    return Layout(tuple(cu), R, T, padding=tuple(sorted(pad)))
 
 
 @st.composite
-def nano_layouts(draw, max_ranks=6, max_tokens=300):
+def nano_layouts(draw, max_ranks=6, max_tokens=300, padding=False):
     """Nano-batch 1 of a random step split with ``order="stream"``: it usually continues a document."""
-    full = draw(layouts(max_ranks=max_ranks, max_tokens=max(2, max_tokens)).filter(lambda l: l.tokens_per_rank % 2 == 0))
+    full = draw(
+        layouts(max_ranks=max_ranks, max_tokens=max(2, max_tokens), padding=padding).filter(lambda l: l.tokens_per_rank % 2 == 0)
+    )
     return split_nano_batches(full, "stream")[1]
 
 
@@ -165,3 +178,84 @@ def test_context_validation():
     lay = Layout((0, 2, 4), 1, 4, ((0, 3, 4),))
     assert lay.segments.start.tolist() == [3, 0] and lay.positions(0).tolist() == [3, 4, 0, 1]
     assert lay.kv_rows == 8 and lay.kv_buffer_row(np.array([-1, 0])).tolist() == [3, 4]
+
+
+# ---- padding documents ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "padding, exc, match",
+    [
+        ((3,), ValueError, r"padding\[0\]: doc must be in \[0, 3\), got 3"),
+        ((0, -1), ValueError, r"padding\[1\]: doc must be in \[0, 3\), got -1"),
+        ((2, 1), ValueError, "padding must be sorted without repeats, got doc 1 after 2"),
+        ((1, 1), ValueError, "padding must be sorted without repeats, got doc 1 after 1"),
+        ((1.5,), TypeError, r"padding\[0\] must be an integer, got 1.5"),
+        ((True,), TypeError, r"padding\[0\] must be an integer, got True"),
+        (2, TypeError, "padding must be a sequence of document indices, got 2"),
+        ("1", TypeError, "padding must be a sequence of document indices, got '1'"),
+    ],
+)
+def test_bad_padding(padding, exc, match):
+    with pytest.raises(exc, match=match):
+        Layout((0, 2, 5, 8), 2, 4, padding=padding)
+
+
+def test_padding_must_not_continue_a_document():
+    Layout((0, 2, 4), 1, 4, ((0, 3, 4),), (1,))  # another document may be padding
+    with pytest.raises(ValueError, match=r"padding\[0\]: doc 0 continues a document of the previous nano-batch"):
+        Layout((0, 2, 4), 1, 4, ((0, 3, 4),), (0,))
+
+
+def test_padding_views():
+    lay = Layout((0, 3, 4, 8, 10, 12), 3, 4, padding=np.array([1, 2]))
+    assert lay.padding == (1, 2) and all(type(d) is int for d in lay.padding)
+    assert lay.is_padding.tolist() == [False, True, True, False, False] and not lay.is_padding.flags.writeable
+    assert [lay.padding_mask(r).tolist() for r in range(3)] == [[False] * 3 + [True], [True] * 4, [False] * 4]
+    # segments: every piece (the linear layers' view); attention_segments: those needing core attention.
+    assert lay.segments.doc.tolist() == [0, 1, 2, 3, 4]
+    a = lay.attention_segments
+    assert a.doc.tolist() == [0, 3, 4] and a.rank.tolist() == [0, 2, 2] and a.offset.tolist() == [0, 0, 2]
+    assert not a.doc.flags.writeable
+    plain = Layout((0, 3, 4, 8, 10, 12), 3, 4)
+    assert plain.attention_segments is plain.segments and not plain.is_padding.any()
+    assert lay != plain and hash(lay) != hash(plain)
+
+
+def _nano_row(full: Layout, order: str, n: int, r: int) -> int:
+    """First full-stream row that rank r holds in nano-batch n."""
+    R, half = full.ranks, full.tokens_per_rank // 2
+    return n * R * half + r * half if order == "stream" else r * 2 * half + n * half
+
+
+@pytest.mark.parametrize("order", ["stream", "rows"])
+@given(full=layouts(max_ranks=4, max_tokens=40, padding=True).filter(lambda l: l.tokens_per_rank % 2 == 0))
+def test_split_carries_padding(order, full):
+    T, R, half = full.tokens_per_rank, full.ranks, full.tokens_per_rank // 2
+    real = ~full.is_padding
+    crosses = any(real[d] and full.cu_array[d] // T != (full.cu_array[d + 1] - 1) // T for d in range(full.num_docs))
+    if order == "rows" and crosses:
+        with pytest.raises(ValueError, match="must not cross a rank boundary"):
+            split_nano_batches(full, order)
+        return
+    pos = _full_positions(full)
+    full_pad = np.concatenate([full.padding_mask(r) for r in range(R)])
+    for n, lay in enumerate(split_nano_batches(full, order)):
+        assert not {d for d, _, _ in lay.context} & set(lay.padding)
+        for r in range(R):
+            a = _nano_row(full, order, n, r)
+            # A token is padding in its nano-batch iff it is in the full layout; real tokens keep their positions.
+            assert lay.padding_mask(r).tolist() == full_pad[a : a + half].tolist()
+            keep = ~full_pad[a : a + half]
+            assert lay.positions(r)[keep].tolist() == pos[a : a + half][keep].tolist()
+
+
+def test_split_rows_lets_padding_cross_ranks():
+    # Rank 0's second half and all of rank 1 are one padding document: it crosses a rank
+    # boundary, which order="rows" rejects for a real document.
+    cu = (0, 4, 16)
+    with pytest.raises(ValueError, match="must not cross a rank boundary"):
+        split_nano_batches(Layout(cu, 2, 8), "rows")
+    n0, n1 = split_nano_batches(Layout(cu, 2, 8, padding=(1,)), "rows")
+    assert (n0.cu_seqlens, n0.padding, n0.context) == ((0, 4, 8), (1,), ())
+    assert (n1.cu_seqlens, n1.padding, n1.context) == ((0, 8), (0,), ())

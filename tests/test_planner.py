@@ -17,7 +17,8 @@ SHAPE = MODEL_SHAPES["llama3-8b"]
 
 
 def check_exact_cover(p: Plan) -> None:
-    """Every query token of every document is served exactly once, KV = causal prefix."""
+    """Every query token of every non-padding document is served exactly once, KV = causal
+    prefix; no task touches a padding document."""
     lay = p.layout
     t = p.tasks
     assert t.dtype == np.int64 and t.shape[1] == 4
@@ -28,7 +29,7 @@ def check_exact_cover(p: Plan) -> None:
     by_doc = defaultdict(list)
     for d, s, e, _ in t.tolist():
         by_doc[d].append((s, e))
-    assert sorted(by_doc) == list(range(lay.num_docs))
+    assert sorted(by_doc) == [d for d in range(lay.num_docs) if d not in lay.padding]
     for d, ranges in by_doc.items():
         ranges.sort()
         assert ranges[0][0] == c[d] and ranges[-1][1] == c[d] + lay.doc_lens[d]
@@ -36,7 +37,9 @@ def check_exact_cover(p: Plan) -> None:
             assert e0 == s1, f"doc {d}: gap or overlap at {e0}/{s1}"
     # Each task's KV prefix [0, q_end) holds exactly the keys its queries see,
     # so the served (query, key) pairs are each document's causal pairs, once.
-    assert int(p.pairs.sum()) == int(sum(causal_pairs(c, c + n) for c, n in zip(lay.context_tokens.tolist(), lay.doc_lens.tolist())))
+    real = ~lay.is_padding
+    want = causal_pairs(lay.context_tokens[real], lay.context_tokens[real] + lay.doc_lens[real])
+    assert int(p.pairs.sum()) == int(want.sum())
 
 
 def brute_traffic(p: Plan):
@@ -70,11 +73,15 @@ def brute_traffic(p: Plan):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@given(lay=layouts(max_ranks=5, max_tokens=200) | nano_layouts(max_ranks=5, max_tokens=200))
+@given(lay=layouts(max_ranks=5, max_tokens=200, padding=True) | nano_layouts(max_ranks=5, max_tokens=200, padding=True))
 def test_policies_cover_and_bytes_add_up(policy, lay):
     p = plan(lay, policy, min_shard=8, shape=SHAPE)
     check_exact_cover(p)
     assert p.loads.sum() == pytest.approx(float(p.cost_model.task_time(p.tasks[:, 1], p.tasks[:, 2]).sum()))
+    if policy == "colocated":  # padding counts in no load: a rank of padding only has none
+        for r in range(lay.ranks):
+            if lay.padding_mask(r).all():
+                assert p.loads[r] == 0 and p.pairs[r] == 0 and p.server_tasks(r).shape[0] == 0
     fwd, bwd = brute_traffic(p)
     tr = p.traffic
     got_f = {(s, d): b for s, d, b in zip(tr.src.tolist(), tr.dst.tolist(), tr.fwd.tolist()) if b}
@@ -272,3 +279,51 @@ def test_distca_meets_the_band_with_short_documents_only(cm, shape):
         pays = balanced.loads.max() < colo.loads.max() and move_gain(colo, balanced) > 0
         assert priced.tasks.tobytes() == (p.tasks if pays else colo.tasks).tobytes()
     assert checked >= 10  # the layouts do need balancing
+
+
+# ---- padding documents ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_rank_of_padding_serves_others(policy):
+    # Rank 1 is an idle pipeline stage (all padding), rank 0 holds one long document: the
+    # balancing policies put a substantial share of it on rank 1; colocated leaves rank 1 idle.
+    T = 2048
+    lay = Layout((0, T, 2 * T), 2, T, padding=(1,))
+    p = plan(lay, policy)
+    check_exact_cover(p)
+    assert set(p.tasks[:, 0].tolist()) == {0}
+    share = p.pairs[1] / p.pairs.sum()
+    if policy == "colocated":
+        assert p.loads[1] == 0 and share == 0
+    else:
+        assert share > 0.4, (policy, p.pairs, p.tasks.tolist())
+        assert p.imbalance < 1.3
+    # The same with four ranks, two of them idle (ranks 1 and 3).
+    lay4 = Layout((0, 1500, T, 2 * T, 3 * T, 4 * T), 4, T, padding=(2, 4))
+    p4 = plan(lay4, policy)
+    check_exact_cover(p4)
+    if policy != "colocated":
+        assert min(p4.pairs[1], p4.pairs[3]) > 0.2 * p4.pairs.sum(), (policy, p4.pairs)
+
+
+def test_padding_loads_equal_the_real_documents_alone():
+    # Padding adds no load: colocated loads of a layout with padding are those of its real pieces.
+    lay = Layout((0, 300, 700, 1024, 1500, 2048), 2, 1024, padding=(1, 3))
+    p = plan(lay, "colocated")
+    s = lay.attention_segments
+    want = np.bincount(s.rank, p.cost_model.task_time(s.start, s.end), 2)
+    assert np.allclose(p.loads, want) and p.tasks[:, 0].tolist() == [0, 2, 4]
+    assert plan(Layout(lay.cu_seqlens, 2, 1024), "colocated").loads[0] > p.loads[0]
+
+
+def test_padding_is_in_digest_and_json():
+    lay = Layout((0, 1024, 2048), 2, 1024, padding=(1,))
+    p = plan(lay, "distca")
+    q = Plan.from_json(p.to_json())
+    assert q.layout.padding == (1,) and q == p and q.tasks.tobytes() == p.tasks.tobytes()
+    # The same tasks over the same cu_seqlens without padding: another plan.
+    d = json.loads(p.to_json())
+    d["padding"] = []
+    r = Plan.from_json(json.dumps(d))
+    assert r.tasks.tobytes() == p.tasks.tobytes() and r.digest() != p.digest() and r != p
