@@ -26,8 +26,10 @@ column-wise, so the inner attention of TP rank ``t`` sees its local heads over t
 full row (``block.attention``'s input is redistributed to Replicate), and the CA
 group of batch ranks that share TP rank ``t`` dispatches those heads; the TP peers
 of a batch rank read the same data and plan the same layout. Not with nano-batches
-(their schedule bypasses TP's module hooks), and not with context or pipeline
-parallelism (:func:`torchtitan_ext.config.validate`).
+(their schedule bypasses TP's module hooks), and not with context parallelism
+(:func:`torchtitan_ext.config.validate`). Pipeline parallelism: a CA group may span the
+stages (``core_attention.across_stages``), planned per tick (:func:`tick_layouts`,
+:mod:`torchtitan_ext.pipeline`).
 
 RoPE positions: torchtitan 0.2.2's llama3 ``Transformer.forward(tokens,
 positions=...)`` already indexes ``freqs_cis`` by a ``positions`` tensor of
