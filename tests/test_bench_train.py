@@ -73,7 +73,7 @@ def test_json_contract_end_to_end(tmp_path):
     """One real (tiny) launch: torchtitan trainer, 2 gloo processes, configs cycled per step."""
     cmd = [
         sys.executable, "scripts/bench_train.py", "--models", "debug", "--workloads", "skewed", "--tokens-per-rank",
-        "2048", "--repeats", "1", "--configs", "off", "distca", "distca_pingpong", "--json", "--out", str(tmp_path),
+        "2048", "--repeats", "1", "--configs", "off", "distca", "--json", "--out", str(tmp_path),
     ]  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -154,6 +154,9 @@ def test_pp2_equals_gradient_accumulation_without_pp(pp2, pp1_accum4):
     assert min(pp2[1]["ca/fwd_MiB_per_layer"].values()) > 0
     before, after = (pp2[1][k] for k in ("ca/imbalance_colocated", "ca/imbalance"))
     assert all(after[s] < before[s] for s in before), (before, after)
+    # In the warm-up and drain ticks the idle stage serves a real share of the attention (of 2
+    # ranks, 0.5 is an even split; without CAD it is 0).
+    assert min(pp2[1]["ca/idle_served_share"].values()) > 0.25, pp2[1]["ca/idle_served_share"]
     _assert_same_training(pp2, pp1_accum4)
 
 

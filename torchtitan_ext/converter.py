@@ -51,6 +51,7 @@ import time
 import types
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -93,6 +94,8 @@ class StepStats:
     """Modelled CA seconds per server without CAD (every rank serves its own queries)."""
     loads: tuple[float, ...] = ()
     """Modelled CA seconds per server under the chosen policy."""
+    idle_ranks: tuple[int, ...] = ()
+    """Ranks whose rows are all padding (idle pipeline stages in this tick): pure servers."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,16 @@ def tick_layouts(cu_seqlens: "list[torch.Tensor]", stages: int, ranks: int, toke
                     bounds.append(base + (j + 1) * tokens_per_rank)
         out.append(distca.Layout(tuple(bounds), stages * ranks, tokens_per_rank, padding=tuple(padding)))
     return out
+
+
+def _idle_ranks(lay: "distca.Layout") -> tuple[int, ...]:
+    if not lay.padding:
+        return ()
+    T, cu = lay.tokens_per_rank, lay.cu_array
+    pad = np.zeros(lay.total_tokens, dtype=bool)
+    for d in lay.padding:
+        pad[cu[d] : cu[d + 1]] = True
+    return tuple(int(r) for r in np.nonzero(pad.reshape(lay.ranks, T).all(axis=1))[0])
 
 
 class StepPlan:
@@ -320,6 +333,7 @@ class CAPlanner:
             num_docs=lay.num_docs - len(lay.padding),
             colocated_loads=tuple(base.loads.tolist()),
             loads=tuple(p.loads.tolist()),
+            idle_ranks=_idle_ranks(lay),
         )
         return p, meta, stats
 

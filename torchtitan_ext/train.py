@@ -253,6 +253,11 @@ class CoreAttentionTrainer(Trainer):
             "ca/exposed_plan_ms": 1e3 * sum(sp.exposed_plan_seconds for sp in steps),
             "ca/docs": float(np.mean([s.num_docs for s in stats])),
         }
+        idle = [s for s in stats if s.idle_ranks]
+        if idle:  # pipeline ticks with an idle stage: the share of their attention it served
+            row["ca/idle_served_share"] = float(
+                sum(sum(s.loads[r] for r in s.idle_ranks) for s in idle) / max(sum(sum(s.loads) for s in idle), 1e-30)
+            )
         if all(t is not None for t in times):
             row.update({"ca/attn_fwd_s": sum(t[0] for t in times), "ca/attn_bwd_s": sum(t[1] for t in times)})
         if self.ca.nano_batches > 1:
