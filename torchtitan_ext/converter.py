@@ -51,7 +51,6 @@ import time
 import types
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -145,13 +144,10 @@ def tick_layouts(cu_seqlens: "list[torch.Tensor]", stages: int, ranks: int, toke
 
 
 def _idle_ranks(lay: "distca.Layout") -> tuple[int, ...]:
+    """Ranks whose rows are all padding."""
     if not lay.padding:
         return ()
-    T, cu = lay.tokens_per_rank, lay.cu_array
-    pad = np.zeros(lay.total_tokens, dtype=bool)
-    for d in lay.padding:
-        pad[cu[d] : cu[d + 1]] = True
-    return tuple(int(r) for r in np.nonzero(pad.reshape(lay.ranks, T).all(axis=1))[0])
+    return tuple(r for r in range(lay.ranks) if lay.padding_mask(r).all())
 
 
 class StepPlan:
