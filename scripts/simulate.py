@@ -83,10 +83,10 @@ PAPER_4D = {
 }
 
 POLICIES = ("colocated", "per_doc_cp", "wlb_cp", "greedy", "distca")
-"""The four planner policies, plus ``wlb_cp``, this script's stand-in for the paper's WLB-ideal
-baseline: per-document CP inside CP groups of c ranks (DP = R / c), with c the best power of two
-for the step time (the paper grid-searches DP x CP), tokens re-sharded so only K and V move.
-See :func:`wlb_cp`."""
+"""Planner policies. ``wlb_cp`` is the stand-in for the paper's WLB-ideal baseline: the planner's
+per-document CP inside CP groups of c ranks (DP = R / c), with c the best power of two for the
+step time here (the paper grid-searches DP x CP), costed with tokens re-sharded so only K and V
+move. See :func:`wlb_cp`."""
 
 
 @dataclass(frozen=True)
@@ -323,35 +323,21 @@ class WlbPlan(NamedTuple):
 
 
 def wlb_cp(layout: Layout, c: int, shape, cm, tolerance: float) -> WlbPlan:
-    """The WLB-ideal stand-in at CP degree ``c``.
+    """The WLB-ideal stand-in at CP degree ``c``: the planner's ``wlb_cp`` policy (per-document
+    head-tail CP inside groups of ``c`` consecutive ranks, DP = R / c; a document is served by
+    the group where it starts), costed as real per-document CP runs.
 
-    Ranks form groups of ``c`` consecutive ranks (DP = R / c). Each group is
-    planned with ``per_doc_cp`` on its own sub-layout: the documents clipped to
-    the group's tokens. A document continuing from the previous group keeps its
-    true in-document positions, so its tasks are costed with their real KV prefix.
-
-    Unlike the planner's ``per_doc_cp`` traffic (a dispatch that moves Q and O
-    too), real per-document CP re-shards the tokens so every rank already holds
-    the chunks it computes, and only K and V move: each rank taking part in a
-    document of length L over k ranks receives and sends (k - 1) / k * L rows
-    in the forward all-gather (what WLB-LLM and TransformerEngine's all-gather
-    CP do). The backward re-gathers K, V and reduce-scatters dK, dV (2x).
+    Unlike the planner's traffic (a dispatch that moves Q and O too), real per-document CP
+    re-shards the tokens so every rank already holds the chunks it computes, and only K and V
+    move: each rank taking part in a document of length L over k ranks receives and sends
+    (k - 1) / k * L rows in the forward all-gather (what WLB-LLM and TransformerEngine's
+    all-gather CP do). The backward re-gathers K, V and reduce-scatters dK, dV (2x).
     """
-    R, T = layout.ranks, layout.tokens_per_rank
-    cu = layout.cu_array
-    parts, plan_s = [], 0.0
-    for g in range(R // c):
-        s0, s1 = g * c * T, (g + 1) * c * T
-        d0 = int(np.searchsorted(cu, s0, side="right")) - 1
-        d1 = int(np.searchsorted(cu, s1, side="left"))
-        sub = Layout(tuple((np.clip(cu[d0 : d1 + 1], s0, s1) - s0).tolist()), c, T)
-        t0 = time.perf_counter()
-        p = plan(sub, "per_doc_cp", tolerance=tolerance, shape=shape, cost_model=cm)
-        plan_s += time.perf_counter() - t0
-        t = p.tasks
-        shift = np.where(t[:, 0] == 0, s0 - cu[d0], 0)  # > 0 for a document continuing from group g - 1
-        parts.append(np.stack([t[:, 0] + d0, t[:, 1] + shift, t[:, 2] + shift, t[:, 3] + g * c], axis=1))
-    tk = np.concatenate(parts)
+    R = layout.ranks
+    t0 = time.perf_counter()
+    p = plan(layout, "wlb_cp", cp_degree=c, tolerance=tolerance, shape=shape, cost_model=cm)
+    plan_s = time.perf_counter() - t0
+    tk = p.tasks
     doc, qs, qe, srv = tk[:, 0], tk[:, 1], tk[:, 2], tk[:, 3]
     loads = np.bincount(srv, cm.task_time(qs, qe), R)
     pairs = np.unique(doc * R + srv)  # (doc, server) pairs taking part

@@ -179,7 +179,7 @@ def test_single_rank_is_trivial():
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        (dict(policy="fastest"), ValueError, r"policy must be one of \['distca', 'greedy', 'per_doc_cp', 'colocated'\], got 'fastest'"),
+        (dict(policy="fastest"), ValueError, r"policy must be one of \['distca', 'greedy', 'per_doc_cp', 'wlb_cp', 'colocated'\], got 'fastest'"),
         (dict(tolerance=1.5), ValueError, r"tolerance must be a number in \[0, 1\), got 1.5"),
         (dict(tolerance=-0.1), ValueError, "tolerance"),
         (dict(min_shard=0), ValueError, "min_shard must be an int >= 1, got 0"),
@@ -224,7 +224,8 @@ def test_distca_with_min_shard_never_worse_than_colocated(lay):
 
 def test_balancer_scalar_time_matches_cost_model():
     # The balancer's pure-Python task time is a hot-path twin of CostModel.task_time.
-    from distca.planner import _Balancer, _resolve_cost
+    from distca.planner import _resolve_cost
+    from distca.planner.distca import _Balancer
 
     lay = Layout.from_doclens([3000, 5000], 2, 4000)
     for name in ("cpu", "h200"):
@@ -301,7 +302,8 @@ def test_a_rank_of_padding_serves_others(policy):
         assert p.imbalance < 1.3
     # The same with four ranks, two of them idle (ranks 1 and 3).
     lay4 = Layout((0, 1500, T, 2 * T, 3 * T, 4 * T), 4, T, padding=(2, 4))
-    p4 = plan(lay4, policy)
+    # (wlb_cp over all 4 ranks: its own choice here is CP groups of 2, see the wlb_cp test)
+    p4 = plan(lay4, policy, **({"cp_degree": 4} if policy == "wlb_cp" else {}))
     check_exact_cover(p4)
     if policy != "colocated":
         assert min(p4.pairs[1], p4.pairs[3]) > 0.2 * p4.pairs.sum(), (policy, p4.pairs)
@@ -327,3 +329,32 @@ def test_padding_is_in_digest_and_json():
     d["padding"] = []
     r = Plan.from_json(json.dumps(d))
     assert r.tasks.tobytes() == p.tasks.tobytes() and r.digest() != p.digest() and r != p
+
+
+# ---- wlb_cp --------------------------------------------------------------------------------
+
+
+def test_wlb_cp_places_documents_in_their_cp_group_and_picks_the_cheapest_degree():
+    from distca.planner.wlb_cp import cp_degrees
+
+    rng = np.random.default_rng(7)
+    lay = Layout.from_doclens(rng.integers(50, 3000, 200), ranks=8, tokens_per_rank=2048)
+    T = lay.tokens_per_rank
+    assert cp_degrees(8) == [1, 2, 4, 8] and cp_degrees(6) == [1, 2, 6]
+    costs = {}
+    for c in cp_degrees(8):
+        p = plan(lay, "wlb_cp", cp_degree=c)
+        check_exact_cover(p)
+        group = (lay.cu_array[p.tasks[:, 0]] // T) // c  # the CP group where each task's document starts
+        assert np.array_equal(p.tasks[:, 3] // c, group)
+        cm = p.cost_model
+        costs[c] = float(p.loads.max()) * (1 + cm.bwd_factor) + cm.link_byte_s * p.traffic.max_server_step_bytes
+    assert plan(lay, "wlb_cp", cp_degree=8).tasks.tobytes() == plan(lay, "per_doc_cp").tasks.tobytes()
+    auto = plan(lay, "wlb_cp")
+    best = min(costs, key=costs.get)
+    assert auto.tasks.tobytes() == plan(lay, "wlb_cp", cp_degree=best).tasks.tobytes()
+    assert len(set(costs.values())) > 1  # the degrees really differ
+    with pytest.raises(ValueError, match=r"cp_degree must be None or an int dividing ranks=8, got 3"):
+        plan(lay, "wlb_cp", cp_degree=3)
+    with pytest.raises(ValueError, match=r"cp_degree is for policy='wlb_cp', got policy='distca'"):
+        plan(lay, "distca", cp_degree=2)

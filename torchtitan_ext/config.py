@@ -16,7 +16,7 @@ from distca.planner import POLICIES
 
 __all__ = ["CoreAttention", "JobConfig", "TICK_SCHEDULE", "nano_batches", "validate", "validate_job"]
 
-Policy = Literal["distca", "greedy", "per_doc_cp", "colocated"]
+Policy = Literal["distca", "greedy", "per_doc_cp", "wlb_cp", "colocated"]
 Mode = Literal["resend", "keep"]
 
 

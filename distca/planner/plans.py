@@ -1,0 +1,168 @@
+"""The :class:`Plan` type: tasks with their modelled loads, pairs and traffic; its digest and
+JSON form; and :func:`build_plan`, which every policy's task columns go through."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from distca.cost import CostModel, ModelShape, Traffic, causal_pairs, traffic
+from distca.layout import Layout
+
+__all__ = ["Plan", "build_plan"]
+
+_TASK_COLS = ("doc", "q_start", "q_end", "server")
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Which server computes which query range of which document.
+
+    ``tasks`` is a read-only int64 array [N, 4] of (doc, q_start, q_end, server),
+    sorted by (server, doc, q_start); each task's queries are the in-document
+    positions [q_start, q_end) and its KV is the prefix [0, q_end). Padding documents
+    (``layout.padding``) have no task. Loads and traffic are modelled for one layer's forward.
+    """
+
+    layout: Layout
+    policy: str
+    tasks: np.ndarray
+    loads: np.ndarray
+    """float64 [R]: modelled CA seconds per server."""
+    pairs: np.ndarray
+    """int64 [R]: causal query-key pairs per server."""
+    traffic: Traffic
+    shape: ModelShape
+    cost_model: CostModel
+    tolerance: float
+    min_shard: int
+    capacity_bytes: int | None
+    mode: str
+
+    @property
+    def num_tasks(self) -> int:
+        return int(self.tasks.shape[0])
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean of modelled per-server CA time."""
+        m = float(self.loads.mean())
+        return float(self.loads.max()) / m if m > 0 else 1.0
+
+    @property
+    def pairs_imbalance(self) -> float:
+        """max / mean of per-server causal pairs."""
+        m = float(self.pairs.mean())
+        return float(self.pairs.max()) / m if m > 0 else 1.0
+
+    def server_tasks(self, server: int) -> np.ndarray:
+        """Tasks [n, 4] served by ``server``, sorted by (doc, q_start)."""
+        lo, hi = np.searchsorted(self.tasks[:, 3], [server, server + 1])
+        return self.tasks[lo:hi]
+
+    def digest(self) -> str:
+        """SHA-256 of the layout (padding included) and tasks: equal on every rank iff the plans are equal."""
+        lay = self.layout
+        h = hashlib.sha256()
+        # Section lengths first, so that no two layouts hash the same bytes.
+        sizes = [lay.ranks, lay.tokens_per_rank, lay.num_docs, len(lay.context), len(lay.padding), self.num_tasks]
+        h.update(np.asarray(sizes, dtype=np.int64).tobytes())
+        h.update(lay.cu_array.tobytes())
+        h.update(np.asarray(lay.context, dtype=np.int64).tobytes())
+        h.update(np.asarray(lay.padding, dtype=np.int64).tobytes())
+        h.update(np.ascontiguousarray(self.tasks).tobytes())
+        return h.hexdigest()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Plan) and self.digest() == other.digest()
+
+    def __hash__(self) -> int:
+        return hash(self.digest())
+
+    def to_json(self) -> str:
+        """Serialise the layout, tasks and settings (loads and traffic are recomputed on load)."""
+        return json.dumps(
+            {
+                "ranks": self.layout.ranks,
+                "tokens_per_rank": self.layout.tokens_per_rank,
+                "cu_seqlens": list(self.layout.cu_seqlens),
+                "context": [list(c) for c in self.layout.context],
+                "padding": list(self.layout.padding),
+                "policy": self.policy,
+                "tasks": self.tasks.tolist(),
+                "shape": vars(self.shape),
+                "cost_model": json.loads(self.cost_model.to_json()),
+                "tolerance": self.tolerance,
+                "min_shard": self.min_shard,
+                "capacity_bytes": self.capacity_bytes,
+                "mode": self.mode,
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        d = json.loads(text)
+        layout = Layout(
+            tuple(d["cu_seqlens"]), d["ranks"], d["tokens_per_rank"],
+            tuple(map(tuple, d.get("context", ()))), tuple(d.get("padding", ())),
+        )  # fmt: skip
+        t = np.asarray(d["tasks"], dtype=np.int64).reshape(-1, 4)
+        return build_plan(
+            layout,
+            d["policy"],
+            t[:, 0],
+            t[:, 1],
+            t[:, 2],
+            t[:, 3],
+            shape=ModelShape(**d["shape"]),
+            cost_model=CostModel(**d["cost_model"]),
+            tolerance=d["tolerance"],
+            min_shard=d["min_shard"],
+            capacity_bytes=d["capacity_bytes"],
+            mode=d["mode"],
+            merge=False,
+        )
+
+
+def build_plan(
+    layout: Layout,
+    policy: str,
+    doc,
+    q_start,
+    q_end,
+    server,
+    *,
+    shape: ModelShape,
+    cost_model: CostModel,
+    tolerance: float,
+    min_shard: int,
+    capacity_bytes: int | None,
+    mode: str,
+    merge: bool = True,
+) -> Plan:
+    doc, q_start, q_end, server = (np.asarray(a, dtype=np.int64) for a in (doc, q_start, q_end, server))
+    order = np.lexsort((q_start, doc, server))
+    doc, q_start, q_end, server = doc[order], q_start[order], q_end[order], server[order]
+    if merge and doc.size > 1:
+        # Adjacent query ranges of one document on one server become one task:
+        # same KV prefix, one kernel task less.
+        new = np.ones(doc.size, dtype=bool)
+        new[1:] = (server[1:] != server[:-1]) | (doc[1:] != doc[:-1]) | (q_start[1:] != q_end[:-1])
+        idx = np.nonzero(new)[0]
+        q_end = np.maximum.reduceat(q_end, idx)
+        doc, q_start, server = doc[idx], q_start[idx], server[idx]
+    tasks = np.stack([doc, q_start, q_end, server], axis=1) if doc.size else np.zeros((0, 4), np.int64)
+    tasks.flags.writeable = False
+    R = layout.ranks
+    loads = np.bincount(server, cost_model.task_time(q_start, q_end), R).astype(np.float64)
+    pairs = np.bincount(server, causal_pairs(q_start, q_end), R).astype(np.int64)
+    tr = traffic(layout, doc, q_start, q_end, server, shape, mode)
+    for a in (loads, pairs):
+        a.flags.writeable = False
+    return Plan(
+        layout, policy, tasks, loads, pairs, tr, shape, cost_model, tolerance, min_shard, capacity_bytes, mode
+    )
