@@ -118,11 +118,28 @@ def plan(
         shape=opts.shape, cost_model=opts.cost_model, tolerance=opts.tolerance, min_shard=min_shard,
         capacity_bytes=capacity_bytes, mode=mode,
     )  # fmt: skip
-    p = build_plan(layout, policy, *_ASSIGN[policy](layout, opts), **kw)
-    if policy == "distca":
-        base = build_plan(layout, policy, *colocated.assign(layout), **kw)
-        if p.loads.max() >= base.loads.max() or move_gain(base, p) <= 0.0:
+    if policy != "distca":
+        return build_plan(layout, policy, *_ASSIGN[policy](layout, opts), **kw)
+    base = build_plan(layout, policy, *colocated.assign(layout), **kw)
+    if capacity_bytes is not None:
+        need = base.traffic.server_recv_fwd
+        if need.max() > capacity_bytes:
+            r = int(need.argmax())
+            raise ValueError(
+                f"capacity_bytes={capacity_bytes} is below what rank {r} must receive even with no balancing "
+                f"({int(need[r])} bytes of KV prefix for documents it continues); raise capacity_bytes"
+            )
+        try:
+            cols = distca.assign(layout, opts)
+        except distca.CapacityError:
+            # The balancer's start (slivers of documents joined to their neighbouring piece) already
+            # needs more than the bound, which colocated's pieces do not: keep them.
             return base
+    else:
+        cols = distca.assign(layout, opts)
+    p = build_plan(layout, policy, *cols, **kw)
+    if p.loads.max() >= base.loads.max() or move_gain(base, p) <= 0.0:
+        return base
     return p
 
 

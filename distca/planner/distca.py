@@ -12,7 +12,12 @@ from distca.cost import CostModel, ModelShape, causal_pairs
 from distca.layout import Layout, Segments
 from distca.planner.options import Columns, PlanOptions
 
-__all__ = ["assign"]
+__all__ = ["CapacityError", "assign"]
+
+
+class CapacityError(ValueError):
+    """The balancer's starting pieces already exceed ``capacity_bytes`` on some rank (``plan``
+    then keeps the colocated pieces, which it has checked fit)."""
 
 
 def _isqrt_root(c: float) -> float:
@@ -65,9 +70,8 @@ class _Balancer:
             self.recv = np.bincount(s.rank, remote, self.R).astype(np.float64)
             if self.recv.max() > capacity:
                 r = int(self.recv.argmax())
-                raise ValueError(
-                    f"capacity_bytes={capacity} is below what rank {r} must receive even with no balancing "
-                    f"({int(self.recv[r])} bytes of KV prefix for documents it continues); raise capacity_bytes"
+                raise CapacityError(
+                    f"capacity_bytes={capacity}: rank {r}'s starting pieces already need {int(self.recv[r])} bytes"
                 )
             self.kv_have: dict[tuple[int, int], int] = {}
             for r_, d_, e_ in zip(s.rank.tolist(), self.docs, s.end.tolist()):
