@@ -4,9 +4,15 @@ Examples:
     python scripts/bench_planner.py --doclens pretrain --ranks 512 --tokens-per-rank 131072
     python scripts/bench_planner.py --doclens prolong --ranks 256 --policy distca --policy greedy --json
     python scripts/bench_planner.py --batch-file batch.json --ranks 4 --tokens-per-rank 4096
+    python scripts/bench_planner.py --doclens pretrain --ranks 512 --compare --repeats 7
 
 With --json: one JSON object per policy per line (policy, ranks, tokens_per_rank, imbalance,
 pairs_imbalance, plan_ms, max_server_bytes, total_bytes, num_tasks, ...).
+
+``--compare``: distca against greedy at each of ``--tolerances``: bytes at the same tolerance, and
+at equal achieved balance (greedy re-planned at smaller tolerances until its max/mean is no higher
+than distca's, or the smallest it reaches), next to :func:`bytes_lower_bound`.
+``--repeats N``: plan_ms is the median of N runs.
 """
 
 from __future__ import annotations
@@ -40,21 +46,107 @@ def build_layout(args: argparse.Namespace) -> Layout:
     return Layout.from_doclens(lens, args.ranks, args.tokens_per_rank)
 
 
+def _timed_plan(layout: Layout, policy: str, args: argparse.Namespace, tolerance: float):
+    """(plan, median plan_ms over ``args.repeats`` runs)."""
+    times = []
+    for _ in range(max(1, args.repeats)):
+        t0 = time.perf_counter()
+        p = plan(
+            layout, policy, tolerance=tolerance, min_shard=args.min_shard, capacity_bytes=args.capacity_bytes,
+            shape=args.model, cost_model=args.cost_model,
+        )  # fmt: skip
+        times.append((time.perf_counter() - t0) * 1e3)
+    return p, float(np.median(times))
+
+
+def bytes_lower_bound(layout: Layout, max_load: float, shape: str, cost_model: str) -> int:
+    """A lower bound on ``max_server_bytes`` (forward, one layer) of any plan whose modelled max load
+    is at most ``max_load`` seconds.
+
+    Without a plan every rank serves its own rows, so a rank whose colocated load ``c_r`` exceeds
+    ``max_load`` must hand ``W_r = c_r - max_load`` seconds of its queries to other servers. A chunk
+    of ``m`` query rows ending at in-document position ``e`` (``m <= e <= L_r``, the deepest position
+    the rank holds) takes at most ``task_s + L_r (q_token_s + kv_token_s) + P pair`` seconds off it,
+    ``P <= m e`` its causal pairs and ``pair = pair_s (1 + half_q) + rect_s``; it costs at least
+    ``qb m + kvb max(0, e - T)`` bytes on the rank's link (``qb = 2 q_row + lse_row``: Q out, output
+    and LSE back; a receiver holds at most ``T`` of the chunk's KV rows). So
+    ``bytes >= min_e qb P / e + kvb max(0, e - T)`` with ``P = (W_r - task_s - L_r (q + kv)) / pair``,
+    a minimum reached at ``e = min(L_r, T)`` or ``e = clip(sqrt(qb P / kvb), T, L_r)``; the bound
+    is concave in ``P``, so splitting the work into several chunks cannot do better. The result is
+    the max over ranks.
+    """
+    from distca.planner import _resolve_cost, _resolve_shape
+
+    sh = _resolve_shape(shape)
+    cm = _resolve_cost(cost_model, sh)
+    colo = plan(layout, "colocated", shape=sh, cost_model=cm)
+    qb, kvb, T = 2 * sh.q_row + sh.lse_row, sh.kv_row, layout.tokens_per_rank
+    s = layout.attention_segments
+    deepest = np.zeros(layout.ranks, dtype=np.int64)
+    np.maximum.at(deepest, s.rank, s.end)
+    pair = cm.pair_s * (1 + cm.half_q) + cm.rect_s
+    best = 0.0
+    for r in np.nonzero(colo.loads > max_load)[0].tolist():
+        L = float(deepest[r])
+        P = (colo.loads[r] - max_load - cm.task_s - L * (cm.q_token_s + cm.kv_token_s)) / pair
+        if P <= 0:
+            continue
+        es = [min(L, T), min(max((qb * P / kvb) ** 0.5, T), L)]
+        best = max(best, min(qb * P / e + kvb * max(0.0, e - T) for e in es if e >= 1))
+    return int(best)
+
+
+def compare(args: argparse.Namespace) -> list[dict]:
+    """distca vs greedy per tolerance: same tolerance, equal achieved balance, and the lower bound."""
+    layout = build_layout(args)
+    rows = []
+    for tol in args.tolerances:
+        ours, ours_ms = _timed_plan(layout, "distca", args, tol)
+        greedy, _ = _timed_plan(layout, "greedy", argparse.Namespace(**{**vars(args), "repeats": 1}), tol)
+        eq, eq_tol = greedy, tol
+        t = tol
+        while eq.imbalance > ours.imbalance and t > 1e-4:
+            t /= 2
+            eq = plan(layout, "greedy", tolerance=t, min_shard=args.min_shard, shape=args.model, cost_model=args.cost_model)
+            eq_tol = t
+        rows.append({
+            "tolerance": tol, "ranks": args.ranks, "tokens_per_rank": args.tokens_per_rank, "docs": layout.num_docs,
+            "distca_imbalance": round(ours.imbalance, 4), "distca_plan_ms": round(ours_ms, 1),
+            "distca_max_server_bytes": ours.traffic.max_server_bytes,
+            "greedy_imbalance": round(greedy.imbalance, 4), "greedy_max_server_bytes": greedy.traffic.max_server_bytes,
+            "greedy_equal_balance_tolerance": eq_tol, "greedy_equal_balance_imbalance": round(eq.imbalance, 4),
+            "greedy_equal_balance_reached": bool(eq.imbalance <= ours.imbalance),
+            "greedy_equal_balance_max_server_bytes": eq.traffic.max_server_bytes,
+            "lower_bound_max_server_bytes": bytes_lower_bound(layout, float(ours.loads.max()), args.model, args.cost_model),
+            "repeats": args.repeats,
+        })  # fmt: skip
+    return rows
+
+
+def compare_table(rows: list[dict]) -> str:
+    mib = 2**20
+    head = (f"{'tol':>5} {'distca imb':>10} {'ms':>6} {'MiB':>8} | {'greedy imb':>10} {'MiB':>8} | "
+            f"{'greedy@eq tol':>13} {'imb':>6} {'MiB':>8} | {'bound MiB':>9} {'distca/bound':>12}")  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lb = r["lower_bound_max_server_bytes"]
+        ratio = r["distca_max_server_bytes"] / lb if lb else float("nan")
+        lines.append(
+            f"{r['tolerance']:>5.2f} {r['distca_imbalance']:>10.3f} {r['distca_plan_ms']:>6.1f} "
+            f"{r['distca_max_server_bytes'] / mib:>8.0f} | {r['greedy_imbalance']:>10.3f} "
+            f"{r['greedy_max_server_bytes'] / mib:>8.0f} | {r['greedy_equal_balance_tolerance']:>13.4g} "
+            f"{r['greedy_equal_balance_imbalance']:>6.3f}{'' if r['greedy_equal_balance_reached'] else '*'} "
+            f"{r['greedy_equal_balance_max_server_bytes'] / mib:>8.0f} | {lb / mib:>9.0f} {ratio:>12.2f}"
+        )
+    lines.append("(* greedy never reaches distca's balance; its best is shown)")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     layout = build_layout(args)
     rows = []
     for policy in args.policy or list(POLICIES):
-        t0 = time.perf_counter()
-        p = plan(
-            layout,
-            policy,
-            tolerance=args.tolerance,
-            min_shard=args.min_shard,
-            capacity_bytes=args.capacity_bytes,
-            shape=args.model,
-            cost_model=args.cost_model,
-        )
-        plan_ms = (time.perf_counter() - t0) * 1e3
+        p, plan_ms = _timed_plan(layout, policy, args, args.tolerance)
         rows.append(
             {
                 "policy": policy,
@@ -108,11 +200,24 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="llama3-8b", choices=sorted(MODEL_SHAPES))
     ap.add_argument("--cost-model", default="h200", help="stored cost model name or JSON path")
     ap.add_argument("--json", action="store_true", help="one JSON object per policy per line")
+    ap.add_argument("--repeats", type=int, default=1, help="plan_ms: median of this many runs")
+    ap.add_argument("--compare", action="store_true", help="distca vs greedy per tolerance, and the lower bound")
+    ap.add_argument("--tolerances", type=float, nargs="+", default=[0.02, 0.05, 0.1], help="with --compare")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.compare:
+        rows = compare(args)
+        if args.json:
+            for r in rows:
+                print(json.dumps(r))
+        else:
+            print(f"{args.ranks} ranks x {args.tokens_per_rank} tokens, {rows[0]['docs']} docs, {args.doclens}, "
+                  f"model {args.model}, cost model {args.cost_model}; plan ms: median of {args.repeats}")  # fmt: skip
+            print(compare_table(rows))
+        return 0
     rows = run(args)
     if args.json:
         for r in rows:

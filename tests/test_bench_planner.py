@@ -52,3 +52,38 @@ def test_shipped_distributions(name):
     assert int(a.sum()) == 1 << 20 and a.min() > 0
     assert (a == sample_doclens(lens, 1 << 20, seed=1)).all()
     assert not (a[:50].tolist() == sample_doclens(lens, 1 << 20, seed=2)[:50].tolist())
+
+
+def test_bytes_lower_bound_holds_for_every_policy_and_is_not_vacuous():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import numpy as np
+
+    from bench_planner import bytes_lower_bound
+    from distca import POLICIES, Layout, plan
+    from distca.doclens import load_doclens, sample_doclens
+
+    pool = load_doclens("pretrain")
+    for seed, (R, T) in enumerate([(8, 32768), (16, 16384), (32, 8192)]):
+        lay = Layout.from_doclens(sample_doclens(pool, R * T, upsample=4, upsample_threshold=8192, seed=seed), R, T)
+        colo = plan(lay, "colocated", cost_model="h200")
+        assert bytes_lower_bound(lay, float(colo.loads.max()), "llama3-8b", "h200") == 0  # nothing to shed
+        bounds = []
+        for policy in POLICIES:
+            p = plan(lay, policy, cost_model="h200")
+            lb = bytes_lower_bound(lay, float(p.loads.max()), "llama3-8b", "h200")
+            assert lb <= p.traffic.max_server_bytes, (policy, lb, p.traffic.max_server_bytes)
+            bounds.append(lb)
+        assert max(bounds) > 0
+        # A tighter balance needs more bytes: the bound grows as the allowed max load shrinks.
+        loads = np.linspace(colo.loads.mean(), colo.loads.max(), 5)
+        lbs = [bytes_lower_bound(lay, float(x), "llama3-8b", "h200") for x in loads]
+        assert lbs == sorted(lbs, reverse=True) and lbs[0] > lbs[-1]
+
+
+def test_compare_json(tmp_path):
+    r = run("--doclens", "pretrain", "--ranks", "8", "--tokens-per-rank", "16384", "--compare", "--tolerances", "0.05",
+            "--model", "debug", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (row,) = [json.loads(line) for line in r.stdout.splitlines()]
+    assert row["tolerance"] == 0.05 and row["lower_bound_max_server_bytes"] <= row["distca_max_server_bytes"]
+    assert row["greedy_equal_balance_reached"] == (row["greedy_equal_balance_imbalance"] <= row["distca_imbalance"])
