@@ -106,6 +106,14 @@ def pp2(titan_dir, seed_ckpt):
 
 
 @pytest.fixture(scope="module")
+def pp2_1f1b(titan_dir, seed_ckpt):
+    """pp 2 on 2 processes with torch's 1F1B and a CA group per stage (``across_stages = false``)."""
+    return _from_seed(2, titan_dir, seed_ckpt, "pp2_1f1b", "--training.seq_len", "256", "--training.local_batch_size",
+                      "4", "--parallelism.pipeline_parallel_schedule", "1F1B", "--core_attention.no-across_stages",
+                      "--checkpoint.interval", "100000")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
 def pp1_accum4(titan_dir, seed_ckpt):
     """The same model without pipelining: 1 process, CAD on, gradient accumulation over the same
     4 micro-batches per step."""
@@ -158,6 +166,14 @@ def test_pp2_equals_gradient_accumulation_without_pp(pp2, pp1_accum4):
     # ranks, 0.5 is an even split; without CAD it is 0).
     assert min(pp2[1]["ca/idle_served_share"].values()) > 0.25, pp2[1]["ca/idle_served_share"]
     _assert_same_training(pp2, pp1_accum4)
+
+
+@pytest.mark.slow
+def test_per_stage_groups_with_torch_1f1b_equal_gradient_accumulation(pp2_1f1b, pp1_accum4):
+    """The other pipeline path: torch's own 1F1B schedule, each stage its own CA group (of 1 here),
+    still each micro-batch with its own plan and positions and the same loss scaling."""
+    assert "group of 1" in pp2_1f1b[0], pp2_1f1b[0][-3000:]
+    _assert_same_training(pp2_1f1b, pp1_accum4)
 
 
 @pytest.mark.slow
