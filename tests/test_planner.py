@@ -405,3 +405,37 @@ def test_distca_is_never_modelled_slower_than_colocated_and_moves_only_when_it_p
     # It moved: the modelled max load went down and the gain pays for the bytes.
     assert ours.loads.max() < colo.loads.max()
     assert move_gain(colo, ours) > 0
+
+
+def test_balancer_bytes_match_the_traffic_model():
+    # The balancer's capacity bookkeeping (in_bytes) is a hot-path twin of distca.cost.traffic:
+    # moving queries [x, e) of document d to server j adds exactly what traffic() counts there.
+    from distca.planner import _resolve_cost
+    from distca.planner.distca import _Balancer
+
+    rng = np.random.default_rng(3)
+    cm = _resolve_cost("h200", SHAPE)
+    for _ in range(20):
+        R, T = int(rng.integers(2, 6)), int(rng.integers(64, 512))
+        lay = Layout.from_doclens(rng.integers(1, 3 * T, size=4 * R), R, T)
+        bal = _Balancer(lay, cm, SHAPE, 16, capacity=1 << 62)
+        colo = plan(lay, "colocated", shape=SHAPE, cost_model=cm)
+        d = int(rng.integers(lay.num_docs))
+        L = int(lay.doc_lens[d])
+        x = int(rng.integers(0, L))
+        e = int(rng.integers(x + 1, L + 1))
+        j = int(rng.integers(R))
+        t = colo.tasks
+        # Carve [x, e) of d out of its colocated tasks and give it to server j.
+        keep = [row for row in t.tolist() if row[0] != d]
+        for dd, s0, e0, srv in t.tolist():
+            if dd == d:
+                keep += [[d, a, b, srv] for a, b in ((s0, min(e0, x)), (max(s0, e), e0)) if b > a]
+        keep.append([d, x, e, j])
+        k = np.asarray(keep, dtype=np.int64)
+        from distca.planner.plans import build_plan
+
+        moved = build_plan(lay, "test", k[:, 0], k[:, 1], k[:, 2], k[:, 3], shape=SHAPE, cost_model=cm, tolerance=0.05,
+                           min_shard=1, capacity_bytes=None, mode="resend", merge=False)  # fmt: skip
+        got = moved.traffic.server_recv_fwd[j] - colo.traffic.server_recv_fwd[j]
+        assert bal.in_bytes(j, d, x, e) == pytest.approx(float(got)), (R, T, d, x, e, j)
