@@ -110,6 +110,37 @@ def test_converter_rejects_keep_mode_with_activation_checkpointing():
         CoreAttentionConverter(job, NS(dp_replicate=1, dp_shard=2))
 
 
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(enable="false"), r"core_attention.enable='false' must be true or false, got str \(write it unquoted"),
+        (dict(pingpong=1), r"core_attention.pingpong=1 must be true or false, got int"),
+        (dict(across_stages="yes"), r"core_attention.across_stages='yes' must be true or false"),
+        (dict(degree=2.0), r"core_attention.degree=2.0 must be an integer, got float"),
+        (dict(min_shard=True), r"core_attention.min_shard=True must be an integer, got bool"),
+        (dict(tolerance="0.1"), r"core_attention.tolerance='0.1' must be a number, got str"),
+        (dict(capacity_mib=None), r"core_attention.capacity_mib=None must be a number, got NoneType"),
+        (dict(backend=3), r"core_attention.backend=3 must be a string, got int"),
+        (dict(cost_model=None), r"core_attention.cost_model=None must be a string"),
+    ],
+)
+def test_every_key_is_type_checked(bad, match):
+    with pytest.raises(TypeError, match=match):
+        validate(CoreAttention(**bad), dp_size=2)
+
+
+def test_a_quoted_boolean_in_toml_is_rejected_at_start_up(tmp_path):
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_ext.config import validate_job
+
+    toml = tmp_path / "job.toml"
+    toml.write_text('[job]\ncustom_config_module = "torchtitan_ext.config"\n[core_attention]\nenable = "false"\n')
+    cfg = ConfigManager().parse_args([f"--job.config_file={toml}"])
+    with pytest.raises(TypeError, match=r"core_attention.enable='false' must be true or false"):
+        validate_job(cfg.core_attention, cfg, 2)
+
+
 def test_every_key_is_a_cli_flag_and_toml_key(tmp_path):
     from torchtitan.config import ConfigManager
 

@@ -9,7 +9,7 @@ then a TOML key under ``[core_attention]`` and a ``--core_attention.<key>`` flag
 # No `from __future__ import annotations`: tyro resolves these field types after torchtitan
 # merges the dataclass into its JobConfig, outside this module's namespace.
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal, get_args
 
 from distca.planner import POLICIES
@@ -90,6 +90,28 @@ class JobConfig:
     core_attention: CoreAttention = field(default_factory=CoreAttention)
 
 
+def _check_types(cfg: CoreAttention) -> None:
+    """Every key has its declared type (TOML and tyro give strings where a user quoted a value:
+    ``enable = "false"`` would otherwise read as true)."""
+    for f in fields(cfg):
+        v, want = getattr(cfg, f.name), _TYPES[f.name]
+        ok = isinstance(v, bool) if want is bool else (
+            not isinstance(v, bool) and isinstance(v, (int, float) if want is float else want)
+        )  # fmt: skip
+        if not ok:
+            raise TypeError(
+                f"core_attention.{f.name}={v!r} must be {_TYPE_NAMES[want]}, got {type(v).__name__}"
+                + (' (write it unquoted in TOML: true / false)' if want is bool and isinstance(v, str) else "")
+            )
+
+
+_TYPES = {
+    "enable": bool, "degree": int, "across_stages": bool, "policy": str, "tolerance": float, "mode": str,
+    "backend": str, "min_shard": int, "pingpong": bool, "nano_batches": int, "capacity_mib": float, "cost_model": str,
+}  # fmt: skip
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
 def nano_batches(cfg: CoreAttention) -> int:
     """Nano-batches per micro-batch (``nano_batches`` resolved); raises ValueError if invalid."""
     n = cfg.nano_batches
@@ -135,6 +157,7 @@ def validate(
     Raises:
         ValueError: with the offending key, its value, the rule and the remedy.
     """
+    _check_types(cfg)
     if cfg.policy not in POLICIES:
         raise ValueError(
             f"core_attention.policy={cfg.policy!r} is unknown; choose one of {list(get_args(Policy))}"
