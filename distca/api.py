@@ -344,8 +344,11 @@ def _local_error(q, k, v, cu: np.ndarray | None, T_plan: int, R: int, kv_rows: i
         return f"Hq={q.shape[1]} must be a multiple of Hkv={k.shape[1]} (grouped-query attention)"
     if q.dtype != k.dtype or q.dtype != v.dtype:
         return f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        return f"q dtype must be a floating type (float32, bfloat16, float16), got {q.dtype}"
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return (
+            f"q, k, v dtype must be one of torch.float32, torch.bfloat16, torch.float16, got {q.dtype} (the kernels "
+            "keep lse in float32, so float64 would be float32-accurate at best; use float32 for reference checks)"
+        )
     if q.device != k.device or q.device != v.device:
         return f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}"
     if q.shape[0] != T_plan:

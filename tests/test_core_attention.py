@@ -108,6 +108,8 @@ def _errors_worker(rank, world):
     expect("gqa", lambda: distca.core_attention(torch.randn(T, 3, 8) if rank == 0 else q, k, v, cu, plan=dp))
     # dtype mismatch on one rank.
     expect("dtype", lambda: distca.core_attention(q.double() if rank == world - 1 else q, k, v, cu, plan=dp))
+    # float64 everywhere: rejected up front (the kernels keep lse in float32).
+    expect("float64", lambda: distca.core_attention(q.double(), k.double(), v.double(), cu, plan=dp))
     # wrong rank count: a plan for another group size.
     expect("ranks", lambda: distca.prepare(distca.plan(distca.Layout((0, 3 * T), 3, T))))
     # cu_seqlens that do not match the plan's layout.
@@ -141,7 +143,7 @@ def _errors_worker(rank, world):
 def test_bad_input_raises_on_every_rank_without_hanging():
     world = 2
     res = run_workers(_errors_worker, world, timeout=120)
-    for name in ("cu_differs", "T_differs", "gqa", "dtype", "ranks", "cu_mismatch", "context_kv_rows", "context_bad",
+    for name in ("cu_differs", "T_differs", "gqa", "dtype", "float64", "ranks", "cu_mismatch", "context_kv_rows", "context_bad",
                  "first_use_differs", "verify_bad", "dispatch_rank"):  # fmt: skip
         for r in range(world):
             assert res[r][name] is not None, f"rank {r} did not raise for {name}"
@@ -149,6 +151,7 @@ def test_bad_input_raises_on_every_rank_without_hanging():
     assert "tokens_per_rank=16" in res[0]["T_differs"] and "rejected its input" in res[1]["T_differs"]
     assert "Hq=3 must be a multiple of Hkv=2" in res[0]["gqa"]
     assert "share a dtype" in res[1]["dtype"]
+    assert "dtype must be one of torch.float32, torch.bfloat16, torch.float16, got torch.float64" in res[0]["float64"]
     assert "plan is for 3 ranks but the CA group has 2" in res[0]["ranks"]
     assert "cu_seqlens differ from the layout" in res[0]["cu_mismatch"]
     assert "k has 16 rows but the plan needs 32" in res[0]["context_kv_rows"] and "cat([k_prev, k])" in res[1]["context_kv_rows"]
