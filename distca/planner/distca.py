@@ -49,16 +49,17 @@ class _Balancer:
         self.moved: list[tuple[int, int, int, int]] = []  # (doc, x, e, receiver)
         self.moved_from: list[tuple[int, int]] = []  # (piece, donor) of each moved chunk
         self.doc_recv: dict[int, list[int]] = {}  # servers that were given chunks of a document
+        self.doc_recv_set: dict[int, set[int]] = {}  # the same, as sets
         # Only a donor's heaviest pieces are worth cutting (their chunks have the
         # most work per byte), and looking at few keeps planning fast. Eight, not
         # four: when a deep piece's smallest chunk overshoots the band, a lighter
         # piece must still be there to give.
         order = np.lexsort((np.arange(s.rank.size), -seg_time, s.rank))
-        ranked: list[list[int]] = [[] for _ in range(self.R)]  # each rank's pieces, heaviest first
-        for r, i in zip(s.rank[order].tolist(), order.tolist()):
-            ranked[r].append(i)
-        self.top_pieces = [p[:8] for p in ranked]
-        self.rest_pieces = [p[8:] for p in ranked]
+        # Each rank's pieces, heaviest first: ``order`` is sorted by rank, so split it at rank starts.
+        rank_start = np.searchsorted(s.rank[order], np.arange(self.R + 1)).tolist()
+        flat = order.tolist()
+        self.top_pieces = [flat[a : min(a + 8, b)] for a, b in zip(rank_start[:-1], rank_start[1:])]
+        self.rest_pieces = [flat[min(a + 8, b) : b] for a, b in zip(rank_start[:-1], rank_start[1:])]
         self.cap = capacity
         if capacity is not None:
             # Colocated inputs: KV prefix rows and Q rows of each piece not held by its server.
@@ -171,12 +172,27 @@ class _Balancer:
         # A rectangle cost scales the per-pair rate by about 2e / (e + x).
         rate = pair_s + rect_s * 2.0 * e / max(e + x, 1.0)
         w_pairs = max((w - overhead) / rate, 1.0)
-        for it in range(5):
+        prev = None
+        it = 0
+        while it < 5:
             x, e = self.cut(u, v, w_pairs)
             t = self.t(x, e)
             if 0.99 * w <= t <= w or (x == u and e == v and t < w):
                 break
-            w_pairs *= (w / t) * (0.995 if it else 1.0)
+            step = (w / t) * (0.995 if it else 1.0)
+            w_pairs *= step
+            it += 1
+            if (x, e) == prev and it < 5:
+                # cut() snapped to the same chunk again (a min_shard chunk, too small or
+                # too large), so every step left scales w_pairs by the same factor. The
+                # chunk is monotone in w_pairs: if the last step's is this one too, so are
+                # all between; skip to it (the same result as stepping, with one cut).
+                w_last = w_pairs
+                for _ in range(it, 4):
+                    w_last *= step
+                if self.cut(u, v, w_last) == (x, e):
+                    break
+            prev = x, e
         return i, k, x, e, t
 
     def in_bytes(self, j: int, d: int, x: int, e: int) -> float:
@@ -203,7 +219,8 @@ class _Balancer:
     ) -> None:
         """Move work from ``donors`` (in order) to ``receivers`` until donors reach ``floor``
         (default: the receivers' fill level)."""
-        load = self.load
+        # A list, not the array: this loop reads single loads thousands of times (same floats).
+        load = self.load.tolist()
         # Donors shed to, and receivers fill to, a fraction ``fill`` of the overload
         # band past the mean: servers between the mean and the bound keep their
         # excess, and the room left lets each donor finish with fewer, larger chunks.
@@ -213,7 +230,6 @@ class _Balancer:
         heap = [(-(fill_to - load[j]), j) for j in receivers if fill_to - load[j] > min_room]
         heapq.heapify(heap)
         active = {j for _, j in heap}
-        s = self.seg
         for d in donors:
             if not heap and (load[d] <= hi_bound or fill_to >= mean + 0.9 * (hi_bound - mean)):
                 continue  # nowhere to shed to, and no mop-up to open
@@ -222,6 +238,10 @@ class _Balancer:
             if not pieces:
                 continue  # its load is work it received; received chunks are not re-cut
             parked: list[int] = []
+            # Per document, the servers of doc_recv that are still active, in the same order.
+            # While this donor sheds, ``active`` only loses servers (parked, full, or stale)
+            # and loads of others only grow, so the scan below drops those it finds inactive.
+            live: dict[int, list[int]] = {}
             while load[d] > (fill_to if floor is None else floor):
                 while heap and (heap[0][1] not in active or -heap[0][0] != fill_to - load[heap[0][1]]):
                     _, j = heapq.heappop(heap)  # stale entry: re-push with its current room
@@ -238,6 +258,7 @@ class _Balancer:
                     heap = [(-(fill_to - load[j]), j) for j in range(self.R) if j != d and fill_to - load[j] > min_room]
                     heapq.heapify(heap)
                     active = {j for _, j in heap} - set(parked)
+                    live = {}
                     if not heap:
                         break
                     continue
@@ -246,11 +267,19 @@ class _Balancer:
                 # A server that already pulls the KV prefix of the donor's heaviest
                 # document (from an earlier donor) takes the next chunk if it has
                 # room: that KV is paid for.
-                top = max(pieces, key=lambda i: self.piece_t[i])
-                for j2 in self.doc_recv.get(self.docs[top], ()):
-                    if j2 in active and fill_to - load[j2] > 0.25 * min(need, fill_to - load[j]):
+                top_doc = self.docs[max(pieces, key=lambda i: self.piece_t[i])]
+                lst = live.get(top_doc)
+                if lst is None:
+                    lst = live[top_doc] = [j2 for j2 in self.doc_recv.get(top_doc, ()) if j2 in active]
+                thr, gone = 0.25 * min(need, fill_to - load[j]), 0
+                for j2 in lst:
+                    if j2 not in active:
+                        gone += 1
+                    elif fill_to - load[j2] > thr:
                         j = j2
                         break
+                if gone > 8:
+                    live[top_doc] = [j2 for j2 in lst if j2 in active]
                 # Prefer a chunk the receiver can take without passing the bound.
                 w, limit = min(need, fill_to - load[j]), hi_bound - load[j]
                 best = self.best_chunk(pieces, w, limit)
@@ -289,15 +318,19 @@ class _Balancer:
                 load[j] += t
                 self.moved.append((doc, x, e, j))
                 self.moved_from.append((i, d))
-                recv = self.doc_recv.setdefault(doc, [])
+                recv = self.doc_recv_set.setdefault(doc, set())
                 if j not in recv:
-                    recv.append(j)
+                    recv.add(j)
+                    self.doc_recv.setdefault(doc, []).append(j)
+                    if doc in live:
+                        live[doc].append(j)
                 if fill_to - load[j] <= min_room:
                     active.discard(j)
             for j in parked:  # parked receivers had no room for this donor's cuts only
                 if fill_to - load[j] > min_room:
                     active.add(j)
                     heapq.heappush(heap, (-(fill_to - load[j]), j))
+        self.load[:] = load
 
     def refine(self, hi_bound: float) -> None:
         """Shift the boundary between a moved chunk and the donor's adjacent kept range until
