@@ -234,20 +234,13 @@ def _dist_layouts(R: int, T: int, short: int) -> dict[str, list[int]]:
     return {"skewed": sorted(set(skewed)), "uniform": sorted(set(uniform))}
 
 
-def _dist_worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    import os
-    from datetime import timedelta
-
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def _dist_worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+    """One rank of ``--dist`` (under ``distca._spawn.run``); returns rank 0's rows."""
     import torch.distributed as dist
 
     import distca
     from distca.dispatch import build_dispatch
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
-    )
     T, dtype = args.tokens_per_rank, getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(rank)
     q = torch.randn(T, args.heads, args.head_dim, generator=g, dtype=dtype)
@@ -292,28 +285,13 @@ def _dist_worker(rank: int, world: int, port: int, args: argparse.Namespace, que
                 res[f"{phase}_s"] = float(np.median(times))
                 res[f"{phase}_min_s"] = float(np.min(times))
             rows.append(res)
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        queue.put(rows)
+    return rows
 
 
 def run_dist(args: argparse.Namespace) -> list[dict]:
-    import socket
+    from distca import _spawn
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_dist_worker, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    rows = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
+    rows = _spawn.run(_dist_worker, args.ranks, args, timeout=1800, pg_timeout_s=600)[0]
     by = {(r["workload"], r["policy"]): r for r in rows}
     out = []
     for w in ("skewed", "uniform"):
@@ -584,39 +562,22 @@ def _overhead_kwargs(args: argparse.Namespace) -> dict:
     }  # fmt: skip
 
 
-def _overhead_worker(rank: int, world: int, init: str, args: argparse.Namespace, queue) -> None:
-    """One spawned rank of the ``colocated`` case; puts ("ok", rows) or ("error", traceback)."""
-    import os
-    import traceback
-    from datetime import timedelta
-
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    try:
-        device = torch.device(args.device)
-        if device.type == "cuda":  # one GPU per rank: ranks sharing a GPU would time each other
-            device = torch.device("cuda", rank)
-            torch.cuda.set_device(device)
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=600))
-        rows = overhead_rows(**_overhead_kwargs(args), device=device, policy="colocated", case="colocated")
-        dist.barrier()  # before destroy: avoids gloo teardown aborts
-        dist.destroy_process_group()
-        queue.put((rank, "ok", rows))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
+def _overhead_worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+    """One rank of the ``colocated`` case (under ``distca._spawn.run``); returns its rows."""
+    device = torch.device(args.device)
+    if device.type == "cuda":  # one GPU per rank: ranks sharing a GPU would time each other
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    return overhead_rows(**_overhead_kwargs(args), device=device, policy="colocated", case="colocated")
 
 
 def run_overhead(args: argparse.Namespace) -> list[dict]:
     """Rows of the ``--overhead`` mode: case ``group1`` in this process, ``colocated`` on spawned ranks."""
     import os
-    import queue as queue_mod
     import sys
     import tempfile
 
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -639,32 +600,12 @@ def run_overhead(args: argparse.Namespace) -> list[dict]:
                 print(f"colocated case skipped: it needs one GPU per rank ({args.ranks}), "
                       f"found {torch.cuda.device_count()}", file=sys.stderr)  # fmt: skip
                 return rows
-            ctx = mp.get_context("spawn")
-            queue = ctx.Queue()
-            init = f"file://{os.path.join(tmp, 'coloc')}"
-            worker = _overhead_worker
-            procs = [ctx.Process(target=worker, args=(r, args.ranks, init, args, queue)) for r in range(args.ranks)]
-            for p in procs:
-                p.start()
-            results: dict[int, tuple[str, object]] = {}
-            deadline = time.monotonic() + 1800
-            while len(results) < args.ranks and time.monotonic() < deadline:
-                try:
-                    r, status, payload = queue.get(timeout=1.0)
-                    results[r] = (status, payload)
-                except queue_mod.Empty:
-                    if all(not p.is_alive() for p in procs) and queue.empty():
-                        break
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-            errors = "".join(f"\n--- rank {r} ---\n{v}" for r, (s, v) in sorted(results.items()) if s == "error")
-            missing = [r for r in range(args.ranks) if r not in results]
-            if errors or missing:
-                gone = f"\nranks {missing} gave no result (crash or hang)" if missing else ""
-                raise RuntimeError(f"colocated case failed{errors}{gone}")
-            rows += results[0][1]
+            from distca import _spawn
+
+            try:
+                rows += _spawn.run(_overhead_worker, args.ranks, args, timeout=1800, pg_timeout_s=600)[0]
+            except AssertionError as e:
+                raise RuntimeError(f"colocated case failed{e}") from None
     return rows
 
 

@@ -142,58 +142,39 @@ def fit(rows: list[dict], args: argparse.Namespace, desc: str) -> tuple[CostMode
     return cm, errs
 
 
-def _link_worker(rank: int, init: str, sizes_mib: list[int], repeats: int, queue) -> None:
-    import traceback
-
+def _link_worker(rank: int, world: int, sizes_mib: list[int], repeats: int) -> list[tuple[int, float]]:
+    """One of the 2 ranks (under ``distca._spawn.run``): [(MiB each way, best CPU seconds)]."""
     import torch.distributed as dist
 
     from distca.exchange import _pack, _typed
 
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-        out = []
-        for mib in sizes_mib:
-            rows = mib * (1 << 20) // 1024  # rows of 1 KiB (fp32 [2, 128]) each way
-            n = 2 * rows  # half stays, half goes
-            x = torch.randn(n, 2, 128)
-            idx = torch.randperm(n)
-            best = float("inf")
-            for _ in range(repeats + 1):
-                dist.barrier()
-                c0 = time.process_time()
-                buf, specs = _pack((x,), idx)
-                recv = buf.new_empty(buf.shape)
-                dist.all_to_all_single(recv, buf, [rows, rows], [rows, rows])
-                _typed(recv, specs[0]).contiguous()
-                best = min(best, time.process_time() - c0)
-            out.append((mib, best))
-        dist.barrier()
-        dist.destroy_process_group()
-        queue.put((rank, out))
-    except BaseException:
-        queue.put((rank, traceback.format_exc()))
+    out = []
+    for mib in sizes_mib:
+        rows = mib * (1 << 20) // 1024  # rows of 1 KiB (fp32 [2, 128]) each way
+        n = 2 * rows  # half stays, half goes
+        x = torch.randn(n, 2, 128)
+        idx = torch.randperm(n)
+        best = float("inf")
+        for _ in range(repeats + 1):
+            dist.barrier()
+            c0 = time.process_time()
+            buf, specs = _pack((x,), idx)
+            recv = buf.new_empty(buf.shape)
+            dist.all_to_all_single(recv, buf, [rows, rows], [rows, rows])
+            _typed(recv, specs[0]).contiguous()
+            best = min(best, time.process_time() - c0)
+        out.append((mib, best))
+    return out
 
 
 def measure_link(sizes_mib: list[int] = (4, 16, 32), repeats: int = 3, timeout: float = 120.0) -> tuple[float, list]:
     """(seconds per byte sent plus received, [(MiB each way, slower rank's CPU s)]) on 2 gloo ranks."""
-    import tempfile
+    from distca import _spawn
 
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{tmp}/link"
-        procs = [ctx.Process(target=_link_worker, args=(r, init, list(sizes_mib), repeats, queue)) for r in (0, 1)]
-        for p in procs:
-            p.start()
-        got = dict(queue.get(timeout=timeout) for _ in procs)
-        for p in procs:
-            p.join(timeout)
-    bad = [v for v in got.values() if isinstance(v, str)]
-    if bad:
-        raise RuntimeError("link measurement failed:\n" + "\n".join(bad))
+    try:
+        got = _spawn.run(_link_worker, 2, list(sizes_mib), repeats, timeout=timeout)
+    except AssertionError as e:
+        raise RuntimeError(f"link measurement failed:{e}") from None
     points = [(m, max(c0, c1)) for (m, c0), (_, c1) in zip(got[0], got[1])]
     mib = np.array([m for m, _ in points], dtype=np.float64)
     cpu = np.array([c for _, c in points])
