@@ -108,7 +108,9 @@ def test_non_integer_inputs():
 
 def test_layout_is_frozen_and_hashable():
     lay = Layout.from_doclens([3, 5], 2, 4)
-    with pytest.raises(Exception):
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
         lay.ranks = 3
     assert lay == Layout((0, 3, 8), 2, 4)
     assert hash(lay) == hash(Layout((0, 3, 8), 2, 4))

@@ -236,4 +236,7 @@ def test_trainer_pingpong_is_exact_and_compiles(titan, two):
     m = re.search(r"torch.compile: (\d+) graphs in step 1, (\d+) more after", comp[0])
     assert m and int(m[1]) >= 1 and int(m[2]) == 0, comp[0][-4000:]
     assert sorted(tb["ca/exposed_comm_s"]) == list(range(1, tt._STEPS + 1))
-    assert all(v >= 0 for v in tb["ca/exposed_comm_s"].values())
+    # A step whose plans move nothing runs no exchange, so it waits for none.
+    for st, mib in tb["ca/fwd_MiB_per_layer"].items():
+        if mib == 0:
+            assert tb["ca/exposed_comm_s"][st] == 0.0, (st, tb["ca/exposed_comm_s"][st])

@@ -72,9 +72,14 @@ def test_json_rows_have_fields(quick):
         assert r["model"] == "llama3-8b" and r["params"] == simulate.ARCHS["llama3-8b"].params
         assert r["ca_ranks"] * r["tp"] == r["gpus"]
         assert r["step_s"] > r["linear_s"] > 0
-        assert r["imbalance"] >= 1.0
         assert 0 <= r["exposed_s"] <= r["comm_s"] + 1e-9 or r["policy"] == "wlb_cp"
     assert {r["policy"] for r in rows} == set(simulate.POLICIES)
+    # The batches are skewed, and distca balances them: its imbalance is below colocated's.
+    by = {(r["doclens"], r["gpus"], r["pingpong"], r["policy"]): r for r in rows}
+    for (dist, gpus, pp, policy), r in by.items():
+        if policy == "distca":
+            colo = by[(dist, gpus, pp, "colocated")]["imbalance"]
+            assert colo > 1.1 and r["imbalance"] < colo, (dist, gpus, r["imbalance"], colo)
     assert all(1 <= r["cp"] <= r["ca_ranks"] for r in rows if r["policy"] == "wlb_cp")
 
 
@@ -275,7 +280,8 @@ def test_pp_rows_cad_spreads_ticks_and_beats_colocated(quick_pp):
         assert (r["pp"], r["microbatches"], r["dp"] * r["pp"]) == (4, 8, r["ca_ranks"])
         assert r["bubble"] == pytest.approx(3 / 11)
         assert r["schedule"] == ("tick" if r["policy"] in simulate.TICK_POLICIES else "gpipe")
-        assert 0 < r["idle_frac"] < 1 and r["tick_spread"] >= 1.0
+        # Over the same ticks, active ranks only: idle ranks can only lower the mean.
+        assert 0 < r["idle_frac"] < 1 and r["tick_spread"] <= r["tick_spread_all"] + 1e-12
     for (dist, gpus, policy, pp), r in by.items():
         if policy != "distca":
             continue

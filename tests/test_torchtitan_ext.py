@@ -419,8 +419,10 @@ def test_ca_metrics_in_tensorboard(two):
                 "ca/attn_bwd_s"):  # fmt: skip
         assert sorted(tb.get(tag, {})) == steps, (tag, sorted(tb))
     for s in steps:
-        assert tb["ca/imbalance"][s] >= 1 and tb["ca/imbalance_colocated"][s] >= 1 and tb["ca/docs"][s] >= 1
-        assert tb["ca/bwd_MiB_per_layer"][s] >= tb["ca/fwd_MiB_per_layer"][s] >= 0
+        # distca never plans worse than colocated; many documents per window; resend's backward
+        # moves more than its forward (or both are 0); the attention clock marks were recorded.
+        assert tb["ca/imbalance"][s] <= tb["ca/imbalance_colocated"][s] and tb["ca/docs"][s] > 5
+        assert tb["ca/bwd_MiB_per_layer"][s] > tb["ca/fwd_MiB_per_layer"][s] or tb["ca/bwd_MiB_per_layer"][s] == 0
         assert tb["ca/attn_fwd_s"][s] > 0 and tb["ca/attn_bwd_s"][s] > 0
 
 
