@@ -292,7 +292,14 @@ def traffic(
     recv = np.bincount(qdst[qm], qr * q_fwd_in, ranks) + np.bincount(kdst[km], kr * kv_row, ranks)
 
     pair = src * ranks + dst
-    uniq, inv = np.unique(pair, return_inverse=True)
-    fwd_s = np.bincount(inv, fwd, uniq.size).astype(np.int64)
-    bwd_s = np.bincount(inv, bwd, uniq.size).astype(np.int64)
+    if ranks * ranks <= max(1 << 18, 4 * pair.size):
+        # Few possible pairs for the contributions: sum into every bin, keep the used ones
+        # (what np.unique's sort finds; the sums are of integers, so exact either way).
+        uniq = np.nonzero(np.bincount(pair, minlength=ranks * ranks))[0]
+        fwd_s = np.bincount(pair, fwd, ranks * ranks)[uniq].astype(np.int64)
+        bwd_s = np.bincount(pair, bwd, ranks * ranks)[uniq].astype(np.int64)
+    else:
+        uniq, inv = np.unique(pair, return_inverse=True)
+        fwd_s = np.bincount(inv, fwd, uniq.size).astype(np.int64)
+        bwd_s = np.bincount(inv, bwd, uniq.size).astype(np.int64)
     return Traffic(ranks, uniq // ranks, uniq % ranks, fwd_s, bwd_s, recv.astype(np.int64))

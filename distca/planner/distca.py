@@ -46,6 +46,9 @@ class _Balancer:
         self.piece_t = seg_time.tolist()  # modelled seconds of each piece's kept ranges
         self.load = np.bincount(s.rank, seg_time, self.R).astype(np.float64)
         self.coef = (cm.task_s, cm.q_token_s, cm.kv_token_s, cm.pair_s, cm.half_q, cm.rect_s)
+        if cm.task_s == 0.0 and cm.half_q == 0.0 and cm.rect_s == 0.0:  # e.g. the h200 model
+            self._q_s, self._kv_s, self._pair_s = cm.q_token_s, cm.kv_token_s, cm.pair_s
+            self.t = self._t_plain
         self.moved: list[tuple[int, int, int, int]] = []  # (doc, x, e, receiver)
         self.moved_from: list[tuple[int, int]] = []  # (piece, donor) of each moved chunk
         self.doc_recv: dict[int, list[int]] = {}  # servers that were given chunks of a document
@@ -54,12 +57,14 @@ class _Balancer:
         # most work per byte), and looking at few keeps planning fast. Eight, not
         # four: when a deep piece's smallest chunk overshoots the band, a lighter
         # piece must still be there to give.
-        order = np.lexsort((np.arange(s.rank.size), -seg_time, s.rank))
-        # Each rank's pieces, heaviest first: ``order`` is sorted by rank, so split it at rank starts.
-        rank_start = np.searchsorted(s.rank[order], np.arange(self.R + 1)).tolist()
-        flat = order.tolist()
-        self.top_pieces = [flat[a : min(a + 8, b)] for a, b in zip(rank_start[:-1], rank_start[1:])]
-        self.rest_pieces = [flat[min(a + 8, b) : b] for a, b in zip(rank_start[:-1], rank_start[1:])]
+        # Each rank's pieces, heaviest first (ties in stream order): two stable sorts, by time
+        # then by rank (the order of np.lexsort((index, -time, rank)), faster); then split the
+        # ranks apart. The rest of each rank's pieces are sliced when asked for (_rest_pieces).
+        order = np.argsort(-seg_time, kind="stable")
+        order = order[np.argsort(s.rank[order], kind="stable")]
+        self._rank_start = np.searchsorted(s.rank[order], np.arange(self.R + 1)).tolist()
+        self._ranked = order.tolist()
+        self.top_pieces = [self._ranked[a : min(a + 8, b)] for a, b in zip(self._rank_start[:-1], self._rank_start[1:])]
         self.cap = capacity
         if capacity is not None:
             # Colocated inputs: KV prefix rows and Q rows of each piece not held by its server.
@@ -78,6 +83,11 @@ class _Balancer:
             for r_, d_, e_ in zip(s.rank.tolist(), self.docs, s.end.tolist()):
                 self.kv_have[(r_, d_)] = max(self.kv_have.get((r_, d_), 0), e_)
 
+    def _rest_pieces(self, r: int) -> list[int]:
+        """Rank r's pieces after its eight heaviest, heaviest first."""
+        a, b = self._rank_start[r], self._rank_start[r + 1]
+        return self._ranked[min(a + 8, b) : b]
+
     def t(self, a: int, b: int) -> float:
         """CostModel.task_time for Python ints, without numpy's per-call overhead."""
         if b <= a:
@@ -87,6 +97,13 @@ class _Balancer:
         return (
             task_s + m * q_s + b * kv_s + (b * (b + 1) - a * (a + 1)) // 2 * pair_s * (1.0 + half_q / m) + m * b * rect_s
         )
+
+    def _t_plain(self, a: int, b: int) -> float:
+        """:meth:`t` for models with no task, short-shard or rectangle term (the same floats:
+        the terms dropped add 0.0 or multiply by 1.0)."""
+        if b <= a:
+            return 0.0
+        return (b - a) * self._q_s + b * self._kv_s + (b * (b + 1) - a * (a + 1)) // 2 * self._pair_s
 
     def intervals(self, i: int) -> list[tuple[int, int]]:
         ivs = self.free.get(i)
@@ -101,11 +118,12 @@ class _Balancer:
         Pieces left on either side are empty or at least ``min_shard`` long.
         """
         ms = self.min_shard
-        if causal_pairs(u, v) <= w_pairs:
+        if (v * (v + 1) - u * (u + 1)) // 2 <= w_pairs:  # causal_pairs(u, v), inlined (hot path)
             return u, v
-        e_min = math.ceil(_isqrt_root(2.0 * w_pairs + u * (u + 1)))
-        e = int(min(max(round(math.sqrt(self.qb * w_pairs / self.kvb)), e_min), v))
-        x = min(max(int(round(_isqrt_root(e * (e + 1) - 2.0 * w_pairs))), u), e - 1)
+        sqrt = math.sqrt  # _isqrt_root inlined twice, the same floats
+        e_min = math.ceil((-1.0 + sqrt(1.0 + 4.0 * max(2.0 * w_pairs + u * (u + 1), 0.0))) / 2.0)
+        e = int(min(max(round(sqrt(self.qb * w_pairs / self.kvb)), e_min), v))
+        x = min(max(int(round((-1.0 + sqrt(1.0 + 4.0 * max(e * (e + 1) - 2.0 * w_pairs, 0.0))) / 2.0)), u), e - 1)
         if e - x < ms:
             x = max(u, e - ms)
             if e - x < ms:
@@ -133,10 +151,12 @@ class _Balancer:
         e_star = math.sqrt(qb * w_pairs0 / kvb)
         two_w = 2.0 * w_pairs0
         sqrt = math.sqrt
+        piece_t, free, small = self.piece_t, self.free, 0.25 * w
         for i in pieces:
-            if self.piece_t[i] < 0.25 * w and cands:
+            if piece_t[i] < small and cands:
                 continue  # a small piece: moving all of it has poor work per byte
-            for k, (u, v) in enumerate(self.intervals(i)):
+            ivs = free.get(i)  # self.intervals(i), inlined
+            for k, (u, v) in enumerate(((self.starts[i], self.ends[i]),) if ivs is None else ivs):
                 # The score of cut()'s chunk, inlined without min-shard snapping:
                 # this loop is the planner's hot path.
                 whole = (v * (v + 1) - u * (u + 1)) * 0.5
@@ -180,16 +200,18 @@ class _Balancer:
             if 0.99 * w <= t <= w or (x == u and e == v and t < w):
                 break
             step = (w / t) * (0.995 if it else 1.0)
+            w_asked = w_pairs
             w_pairs *= step
             it += 1
-            if (x, e) == prev and it < 5:
-                # cut() snapped to the same chunk again (a min_shard chunk, too small or
-                # too large), so every step left scales w_pairs by the same factor. The
-                # chunk is monotone in w_pairs: if the last step's is this one too, so are
-                # all between; skip to it (the same result as stepping, with one cut).
-                w_last = w_pairs
+            if it < 5 and ((x, e) == prev or not 0.5 * w_asked < (e * (e + 1) - x * (x + 1)) // 2 < 2.0 * w_asked):
+                # cut() snapped to the same chunk again, or to one far from the pairs asked
+                # for (a min_shard chunk, too small or too large): while it stays, every step
+                # left scales w_pairs by the same factor, in one direction. The chunk is
+                # monotone in w_pairs: if the last step's is this one too, so are all
+                # between; skip to it (the same result as stepping, with one cut).
+                w_last, step_on = w_pairs, (w / t) * 0.995
                 for _ in range(it, 4):
-                    w_last *= step
+                    w_last *= step_on
                 if self.cut(u, v, w_last) == (x, e):
                     break
             prev = x, e
@@ -267,7 +289,7 @@ class _Balancer:
                 # A server that already pulls the KV prefix of the donor's heaviest
                 # document (from an earlier donor) takes the next chunk if it has
                 # room: that KV is paid for.
-                top_doc = self.docs[max(pieces, key=lambda i: self.piece_t[i])]
+                top_doc = self.docs[max(pieces, key=self.piece_t.__getitem__)]
                 lst = live.get(top_doc)
                 if lst is None:
                     lst = live[top_doc] = [j2 for j2 in self.doc_recv.get(top_doc, ()) if j2 in active]
@@ -283,10 +305,10 @@ class _Balancer:
                 # Prefer a chunk the receiver can take without passing the bound.
                 w, limit = min(need, fill_to - load[j]), hi_bound - load[j]
                 best = self.best_chunk(pieces, w, limit)
-                if (best is None or best[4] > limit) and self.rest_pieces[d]:
+                if (best is None or best[4] > limit) and (rest := self._rest_pieces(d)):
                     # Even the smallest allowed chunk of the heaviest pieces is too much:
                     # a lighter piece (a whole short document) may fit.
-                    alt = self.best_chunk(self.rest_pieces[d], w, limit)
+                    alt = self.best_chunk(rest, w, limit)
                     if alt is not None and alt[4] <= limit:
                         best = alt
                 if best is None:
