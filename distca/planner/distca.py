@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from distca.cost import CostModel, ModelShape, causal_pairs
+from distca.cost import CostModel, ModelShape
 from distca.layout import Layout, Segments
 from distca.planner.options import Columns, PlanOptions
 
@@ -18,11 +18,6 @@ __all__ = ["CapacityError", "assign"]
 class CapacityError(ValueError):
     """The balancer's starting pieces already exceed ``capacity_bytes`` on some rank (``plan``
     then keeps the colocated pieces, which it has checked fit)."""
-
-
-def _isqrt_root(c: float) -> float:
-    """Positive root y of y (y + 1) = c."""
-    return (-1.0 + math.sqrt(1.0 + 4.0 * max(c, 0.0))) / 2.0
 
 
 class _Balancer:
@@ -120,7 +115,7 @@ class _Balancer:
         ms = self.min_shard
         if (v * (v + 1) - u * (u + 1)) // 2 <= w_pairs:  # causal_pairs(u, v), inlined (hot path)
             return u, v
-        sqrt = math.sqrt  # _isqrt_root inlined twice, the same floats
+        sqrt = math.sqrt  # (-1 + sqrt(1 + 4 max(c, 0))) / 2: the positive root y of y (y + 1) = c
         e_min = math.ceil((-1.0 + sqrt(1.0 + 4.0 * max(2.0 * w_pairs + u * (u + 1), 0.0))) / 2.0)
         e = int(min(max(round(sqrt(self.qb * w_pairs / self.kvb)), e_min), v))
         x = min(max(int(round((-1.0 + sqrt(1.0 + 4.0 * max(e * (e + 1) - 2.0 * w_pairs, 0.0))) / 2.0)), u), e - 1)
