@@ -294,10 +294,12 @@ def traffic(
     pair = src * ranks + dst
     if ranks * ranks <= max(1 << 18, 4 * pair.size):
         # Few possible pairs for the contributions: sum into every bin, keep the used ones
-        # (what np.unique's sort finds; the sums are of integers, so exact either way).
-        uniq = np.nonzero(np.bincount(pair, minlength=ranks * ranks))[0]
-        fwd_s = np.bincount(pair, fwd, ranks * ranks)[uniq].astype(np.int64)
-        bwd_s = np.bincount(pair, bwd, ranks * ranks)[uniq].astype(np.int64)
+        # (what np.unique's sort finds; the sums are of integers, so exact either way). Every
+        # contribution has fwd + bwd > 0 (rows > 0, row bytes > 0), so used bins are those.
+        fwd_all = np.bincount(pair, fwd, ranks * ranks)
+        bwd_all = np.bincount(pair, bwd, ranks * ranks)
+        uniq = np.nonzero(fwd_all + bwd_all)[0]
+        fwd_s, bwd_s = fwd_all[uniq].astype(np.int64), bwd_all[uniq].astype(np.int64)
     else:
         uniq, inv = np.unique(pair, return_inverse=True)
         fwd_s = np.bincount(inv, fwd, uniq.size).astype(np.int64)

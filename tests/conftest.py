@@ -14,7 +14,7 @@ def rng():
     return np.random.default_rng(1234)
 
 
-# ---- torchtitan runs shared by tests/test_torchtitan_ext.py and tests/test_pingpong.py ----------
+# ---- torchtitan runs (tests/_titan.py) shared by the end-to-end tests -------------------------
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +25,7 @@ def titan_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def seed_ckpt(titan_dir):
     """One seed checkpoint for every run: FSDP-sharded and unsharded init_weights draw different numbers."""
-    import test_torchtitan_ext as tt
+    import _titan as tt
 
     tt._torchrun(1, titan_dir / "seed", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
     return titan_dir / "seed/checkpoint/step-0"
@@ -35,6 +35,6 @@ def seed_ckpt(titan_dir):
 def two(titan_dir, seed_ckpt):
     """CAD on 2 processes, eager, no nano-batches; a full checkpoint at step 5 (for the resume test);
     torchtitan's validator at steps 1, 5 and 10."""
-    import test_torchtitan_ext as tt
+    import _titan as tt
 
     return tt._from_seed(2, titan_dir, seed_ckpt, "two", "--checkpoint.interval", "5", *tt._validation(2))

@@ -8,19 +8,9 @@ import distca
 from distca import Layout
 
 from dist_utils import run_workers
-from test_dispatch import ref_attention
+from _reference import attention as ref_attention, op_reference as _reference
 
 POLICIES = ("distca", "greedy", "per_doc_cp", "colocated")
-
-
-def _reference(cu, q, k, v, dout, padding=()):
-    """fp64 (out, dq, dk, dv); rows of padding documents: out 0, gradients 0."""
-    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
-    out = ref_attention(q64, k64, v64, cu, padding)
-    loss = (out * dout.double()).sum()
-    if loss.requires_grad:  # not when every row is padding
-        loss.backward()
-    return out.detach(), *(torch.zeros_like(x) if x.grad is None else x.grad for x in (q64, k64, v64))
 
 
 def _exactness_worker(rank, world, cases):

@@ -9,37 +9,8 @@ from hypothesis import strategies as st
 from distca import POLICIES, Layout, plan, split_nano_batches
 from distca.dispatch import build_dispatch
 
-from test_layout import layouts
-
-
-def ref_attention(q, k, v, cu, padding=()):
-    """fp64 causal attention, each document attending to itself (bottom-right = top-left here);
-    rows of ``padding`` documents are 0 (so their q, k, v get no gradient)."""
-    out = torch.zeros_like(q)
-    rep = q.shape[1] // k.shape[1]
-    for d, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
-        if d in padding:
-            continue
-        qq, kk, vv = q[a:b], k[a:b].repeat_interleave(rep, 1), v[a:b].repeat_interleave(rep, 1)
-        s = torch.einsum("qhd,khd->hqk", qq, kk) / q.shape[-1] ** 0.5
-        n = b - a
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-        out[a:b] = torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
-    return out
-
-
-def task_attention(q, k, v, cu_q, cu_k):
-    """fp64 varlen attention with bottom-right causal alignment (the kernel contract); rows in
-    no task (a rank's padding rows when it runs nothing in place) are 0, as in the exchange."""
-    out = torch.zeros_like(q)
-    rep = q.shape[1] // k.shape[1]
-    for i in range(len(cu_q) - 1):
-        qa, qb, ka, kb = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
-        lq, lk = qb - qa, kb - ka
-        s = torch.einsum("qhd,khd->hqk", q[qa:qb], k[ka:kb].repeat_interleave(rep, 1)) / q.shape[-1] ** 0.5
-        mask = torch.arange(lk)[None, :] > (torch.arange(lq)[:, None] + lk - lq)
-        out[qa:qb] = torch.einsum("hqk,khd->qhd", s.masked_fill(mask, float("-inf")).softmax(-1), v[ka:kb].repeat_interleave(rep, 1))
-    return out
+from _reference import attention as ref_attention, task_attention
+from _strategies import layouts
 
 
 def simulate(p, q, k, v):

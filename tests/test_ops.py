@@ -1,6 +1,6 @@
 """The ``distca::varlen_attn`` custom ops and the public :func:`distca.ops.varlen_attn`.
 
-Numerics are checked against the fp64 oracle of tests/test_kernels.py (same
+Numerics are checked against the fp64 oracle of tests/_reference.py (same
 tolerance rules); here the focus is the torch.library registration: autograd,
 lse gradients, ``opcheck``, ``torch.compile(fullgraph=True)`` and input validation.
 """
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from distca.ops import varlen_attn
 
-from test_kernels import assert_matches_reference, make_inputs
+from _reference import assert_matches_reference, make_inputs
 
 
 def _run(q, k, v, cu_q, cu_k, dout, dlse=None, **kwargs):

@@ -109,7 +109,7 @@ def _whole_docs_worker(rank, world, full_cu, T, order, mode):
     import distca
     from distca import Layout, pingpong, split_nano_batches
 
-    from test_dispatch import ref_attention
+    from _reference import attention as ref_attention
 
     hq, hkv, d = 4, 2, 8
     full = Layout(tuple(full_cu), world, T)
@@ -207,7 +207,7 @@ def test_pingpong_misuse_raises_clearly_on_every_rank():
 
 @pytest.fixture(scope="module")
 def titan(titan_dir, seed_ckpt):
-    import test_torchtitan_ext as tt
+    import _titan as tt
 
     runs = {}
 

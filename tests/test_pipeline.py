@@ -14,9 +14,13 @@ import time
 import pytest
 import torch
 
-import test_torchtitan_ext as tt
-from torchtitan_ext.converter import tick_layouts
-from torchtitan_ext.pipeline import tick_order
+from torchtitan_ext import _compat
+
+_compat.apply()  # before any torchtitan import in this process
+
+import _titan as tt  # noqa: E402
+from torchtitan_ext.converter import tick_layouts  # noqa: E402
+from torchtitan_ext.pipeline import tick_order  # noqa: E402
 
 _STEPS = 6
 _COMMON = [

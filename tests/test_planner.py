@@ -11,7 +11,7 @@ from distca import MODEL_SHAPES, POLICIES, CostModel, Layout, Plan, causal_pairs
 from distca.doclens import load_doclens, sample_doclens
 from distca.planner import move_gain
 
-from test_layout import layouts, nano_layouts
+from _strategies import layouts, nano_layouts
 
 SHAPE = MODEL_SHAPES["llama3-8b"]
 

@@ -20,7 +20,7 @@ _compat.apply()  # before any torchtitan import in this process
 from torchtitan_ext.config import CoreAttention, validate  # noqa: E402
 
 from dist_utils import run_workers  # noqa: E402
-from test_torchtitan_ext import ROOT, _from_seed, _losses, _torchrun  # noqa: E402
+from _titan import ROOT, _from_seed, _losses, _torchrun  # noqa: E402
 
 # ---- config ----------------------------------------------------------------------------------
 
@@ -108,7 +108,7 @@ def test_converter_rejects_tp_not_dividing_heads():
     from torchtitan.models.llama3.model.model import Transformer
     from torchtitan.protocols import train_spec as ts
 
-    from test_torchtitan_ext import _job
+    from _titan import _job
     from torchtitan_ext.converter import CoreAttentionConverter
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
