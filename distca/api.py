@@ -175,6 +175,40 @@ def prepare(
     return dp
 
 
+def _check_placements(q, k, v, group) -> None:
+    """DTensor q, k, v: the same mesh and placements; ``Shard(0)`` (tokens) on the CA dim (the
+    mesh's "ca" dim, or its only dim); on any other dim ``Replicate()`` or ``Shard(1)`` (heads, as
+    tensor parallelism shards them). The placements are the same on every rank, so a bad one
+    raises on every rank, before any collective."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not all(isinstance(x, DTensor) for x in (k, v)):
+        raise TypeError(
+            f"q is a DTensor, so k and v must be too; got k: {type(k).__name__}, v: {type(v).__name__}"
+        )
+    mesh, placements = q.device_mesh, tuple(q.placements)
+    for name, x in (("k", k), ("v", v)):
+        if x.device_mesh != mesh or tuple(x.placements) != placements:
+            raise ValueError(
+                f"DTensor q, k, v must share a mesh and placements; q has {placements} on {mesh}, "
+                f"{name} has {tuple(x.placements)} on {x.device_mesh}"
+            )
+    names = mesh.mesh_dim_names or ()
+    ca = names.index("ca") if "ca" in names else 0 if mesh.ndim == 1 else None
+    if ca is None:
+        raise ValueError(
+            f"DTensor q, k, v live on a {mesh.ndim}-D mesh without a 'ca' dim (dims {names}); name the CA dim 'ca'"
+        )
+    for i, p in enumerate(placements):
+        if i == ca:
+            ok, rule = isinstance(p, Shard) and p.dim == 0, "Shard(0) (each rank holds its T token rows)"
+        else:
+            ok, rule = p.is_replicate() or (isinstance(p, Shard) and p.dim == 1), "Replicate() or Shard(1) (heads)"
+        if not ok:
+            dim = names[i] if names else i
+            raise ValueError(f"DTensor q, k, v placement {p!r} on mesh dim {dim!r} is not supported; it must be {rule}")
+
+
 def _fields(digest: int, sig: tuple | None = None, mode: str | None = None) -> dict[str, int]:
     """What every rank of a CA group must agree on; the same fields in every agreement, so
     that a rank in ``prepare`` and a rank in its first layer still pair up (and disagree)."""
@@ -437,7 +471,9 @@ def core_attention(
         [T, Hq, D]: rows [r*T, (r+1)*T) of ``flash_attn_varlen_func(q_all, k_all,
         v_all, cu_seqlens, cu_seqlens, causal=True)``. Differentiable in q, k, v. Rows of
         the plan's padding documents (:attr:`Layout.padding`) are 0, with gradient 0.
-        DTensor inputs sharded ``Shard(0)`` give a DTensor with the same placement.
+        DTensor inputs give a DTensor with the same placements: ``Shard(0)`` on the CA dim
+        (the mesh's "ca" dim, or its only dim), ``Replicate()`` or ``Shard(1)`` (heads) on any
+        other; anything else raises ``ValueError`` on every rank before any collective.
 
     Example (2 processes, gloo)::
 
@@ -450,10 +486,7 @@ def core_attention(
 
     if isinstance(q, DTensor):
         mesh, placements = q.device_mesh, q.placements
-        if not all(isinstance(x, DTensor) for x in (k, v)) or any(
-            not (isinstance(p, Shard) and p.dim == 0) and not p.is_replicate() for p in placements
-        ):
-            raise ValueError(f"DTensor q, k, v must be sharded Shard(0) on the CA dim, got placements {placements}")
+        _check_placements(q, k, v, group)
         out = core_attention(
             q.to_local(), k.to_local(), v.to_local(), cu_seqlens,
             group=group if group is not None else mesh, plan=plan,

@@ -179,6 +179,25 @@ def _dtensor_worker(rank, world):
     ref = ref_attention(q.double(), k.double(), v.double(), cu)[sl]
     torch.testing.assert_close(out.to_local().double(), ref, atol=1e-5, rtol=1e-5)
     assert ql.grad is not None and ql.grad.shape == ql.shape
+    # Placements other than Shard(0) on the CA dim are rejected, on every rank, before any collective.
+    import pytest
+    from torch.distributed.tensor import Replicate
+
+    rep = [DTensor.from_local(x[sl], ca, [Replicate()], run_check=False) for x in (q, k, v)]
+    with pytest.raises(ValueError, match=r"placement Replicate\(\) on mesh dim 'ca' is not supported; it must be Shard\(0\)"):
+        distca.core_attention(*rep, cu, group=mesh)
+    with pytest.raises(TypeError, match=r"q is a DTensor, so k and v must be too; got k: Tensor"):
+        distca.core_attention(qd, k[sl], vd, cu, group=mesh)
+    with pytest.raises(ValueError, match=r"must share a mesh and placements"):
+        distca.core_attention(qd, rep[1], vd, cu, group=mesh)
+    if world == 4:  # on the 2-D mesh: Replicate over "dp" is fine, Shard(0) over it is not
+        two = [DTensor.from_local(x[sl], mesh, [Replicate(), Shard(0)], run_check=False) for x in (q, k, v)]
+        out2 = distca.core_attention(*two, cu, group=mesh)
+        assert out2.placements == (Replicate(), Shard(0))
+        torch.testing.assert_close(out2.to_local().double(), ref, atol=1e-5, rtol=1e-5)
+        bad = [DTensor.from_local(x[sl], mesh, [Shard(0), Shard(0)], run_check=False) for x in (q, k, v)]
+        with pytest.raises(ValueError, match=r"placement Shard\(dim=0\) on mesh dim 'dp' is not supported"):
+            distca.core_attention(*bad, cu, group=mesh)
     return True
 
 
