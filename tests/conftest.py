@@ -9,6 +9,18 @@ settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` skip without a CUDA GPU (``-m cuda`` selects them on a GPU machine)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
