@@ -76,6 +76,7 @@ LAYOUTS_2 = ([0, 5, 40, 64], [0, 64])  # nano 0: a document across ranks; nano 1
 LOCAL_2 = ([0, 16, 32, 48, 64], [0, 32, 64])  # no document crosses a rank: nothing moves
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, layouts", [("resend", LAYOUTS_2), ("keep", LAYOUTS_2), ("resend", LOCAL_2)])
 def test_pingpong_equals_core_attention_and_mirrors_backward(mode, layouts):
     results = run_workers(_pingpong_worker, 2, mode, layouts, 32, torch.float32, timeout=120)
@@ -148,6 +149,7 @@ def _whole_docs_worker(rank, world, full_cu, T, order, mode):
     return errs, bool(lays[1].context), [p.plan.traffic.total_bytes > 0 for p in plans]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "order, full_cu, mode",
     [
@@ -188,6 +190,7 @@ def _misuse_worker(rank, world):
     return msgs
 
 
+@pytest.mark.slow
 def test_pingpong_misuse_raises_clearly_on_every_rank():
     results = run_workers(_misuse_worker, 2, timeout=60)
     for msgs in results:

@@ -526,6 +526,7 @@ def _capacity_worker(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_capacity_mib_reaches_the_planner_and_a_too_small_one_fails_everywhere():
     for none, cap, err in run_workers(_capacity_worker, 2, timeout=60):
         assert none is None and cap == 16 << 20
