@@ -2,6 +2,7 @@
 
     DISTCA_TEST_RANK1_ARGS="--core_attention.tolerance 0.3"   extra CLI args on local rank 1 only
     DISTCA_TEST_FAIL_STEP=2                                   local rank 1 raises in its forward at step 2
+    DISTCA_TEST_KILL_STEP=7                                   local rank 1 is killed (SIGKILL) in its forward at step 7
 """
 
 import os
@@ -9,6 +10,7 @@ import sys
 
 RANK1 = os.environ.get("LOCAL_RANK") == "1"
 FAIL_STEP = int(os.environ.get("DISTCA_TEST_FAIL_STEP", "0"))
+KILL_STEP = int(os.environ.get("DISTCA_TEST_KILL_STEP", "0"))
 if RANK1:  # before torchtitan is imported: its ConfigManager binds sys.argv then
     sys.argv += os.environ.get("DISTCA_TEST_RANK1_ARGS", "").split()
 
@@ -29,6 +31,13 @@ class FaultyTrainer(train.CoreAttentionTrainer):
                 raise RuntimeError(f"injected failure in the forward of rank 1 at step {self.step}")
 
             self.model_parts[0].register_forward_pre_hook(fail, with_kwargs=True)
+        if RANK1 and self.step == KILL_STEP:
+            import signal
+
+            def kill(module, args, kwargs):
+                os.kill(os.getpid(), signal.SIGKILL)  # mid-step: the peer is inside the same step's layers
+
+            self.model_parts[0].layers["1"].register_forward_pre_hook(kill, with_kwargs=True)
         super().train_step(data_iterator)
 
 

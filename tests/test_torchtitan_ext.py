@@ -8,6 +8,7 @@ checkpointing saves the CA op's outputs instead of re-running it.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 
@@ -24,7 +25,8 @@ from torchtitan_ext.config import CoreAttention, validate  # noqa: E402
 from dist_utils import run_workers  # noqa: E402
 
 from _titan import (  # noqa: E402
-    _CA, _SDPA_LAUNCHER, _STEPS, _WINDOW, PY, ROOT, _from_seed, _job, _losses, _scalars, _torchrun, _validation,
+    _CA, _COMMON, _SDPA_LAUNCHER, _STEPS, _WINDOW, PY, ROOT, _from_seed, _job, _losses, _scalars, _torchrun,
+    _validation,
 )
 
 
@@ -406,6 +408,39 @@ def test_resume_from_checkpoint(two, resumed):
     assert sorted(loss) == list(range(6, _STEPS + 1))
     uninterrupted = two[1]["loss_metrics/global_avg_loss"]
     assert [loss[s] for s in range(6, 11)] == pytest.approx([uninterrupted[s] for s in range(6, 11)], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_every_rank_and_the_run_resumes_exactly(titan_dir, seed_ckpt, two):
+    """Rank 1 is killed (SIGKILL) inside step 7's forward, while rank 0 is in the same step's CA
+    exchanges: every rank exits with an error (torchrun stops the survivors; the process-group
+    timeout, --comm.train_timeout_seconds, bounds any wait), and resuming from the last checkpoint
+    (step 5) reproduces the uninterrupted run's losses."""
+    import time
+
+    folder = titan_dir / "killed"
+    cmd = [
+        PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "tests/fault_train.py"),
+        "--job.config_file", "train_configs/debug_cpu.toml", "--training.seq_len", str(_WINDOW // 2),
+        "--job.dump_folder", str(folder), *_COMMON, "--checkpoint.enable", "--checkpoint.initial_load_path",
+        str(seed_ckpt), "--checkpoint.interval", "5", "--comm.train_timeout_seconds", "60",
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", DISTCA_TEST_KILL_STEP="7"))  # fmt: skip
+    log = r.stdout + r.stderr
+    assert r.returncode != 0 and "Training completed" not in log, log[-4000:]
+    assert "Signals.SIGKILL" in log or "SIGKILL" in log, log[-4000:]
+    assert time.monotonic() - t0 < 200  # ended well before the subprocess timeout: nothing hung
+    step5 = folder / "checkpoint/step-5"
+    assert step5.is_dir(), sorted(p.name for p in (folder / "checkpoint").iterdir())
+    resumed = titan_dir / "killed_resumed"
+    _torchrun(2, resumed, "--checkpoint.enable", "--checkpoint.initial_load_path", str(step5),
+              "--checkpoint.no-initial_load_model_only", "--checkpoint.interval", "100000")  # fmt: skip
+    loss = _scalars(resumed)["loss_metrics/global_avg_loss"]
+    full = two[1]["loss_metrics/global_avg_loss"]
+    assert sorted(loss) == list(range(6, _STEPS + 1))
+    assert [loss[s] for s in range(6, _STEPS + 1)] == pytest.approx([full[s] for s in range(6, _STEPS + 1)], rel=1e-6)
 
 
 # ---- selective activation checkpointing ------------------------------------------------------
