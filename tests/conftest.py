@@ -45,8 +45,7 @@ def seed_ckpt(titan_dir):
 
 @pytest.fixture(scope="session")
 def two(titan_dir, seed_ckpt):
-    """CAD on 2 processes, eager, no nano-batches; a full checkpoint at step 5 (for the resume test);
-    torchtitan's validator at steps 1, 5 and 10."""
+    """CAD on 2 processes, eager, no nano-batches; torchtitan's validator at steps 1, 5 and 10."""
     import _titan as tt
 
-    return tt._from_seed(2, titan_dir, seed_ckpt, "two", "--checkpoint.interval", "5", *tt._validation(2))
+    return tt._from_seed(2, titan_dir, seed_ckpt, "two", *tt._validation(2))
