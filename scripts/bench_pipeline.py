@@ -232,8 +232,8 @@ def summarize(rows_by: dict[str, list[dict]], M: int, T: int) -> dict:
     for s in steps:
         save = 0.0
         for comp, at in tk[s].values():
-            lin = [c_ - a_ for c_, a_ in zip(comp, at)]
-            save += max(comp) - max(lin[i] + sum(at) / STAGES if comp[i] > 0 else sum(at) / STAGES for i in range(STAGES))
+            lin = [c_ - a_ for c_, a_ in zip(comp, at)]  # 0 on an idle stage
+            save += max(comp) - (max(lin) + sum(at) / STAGES)
         bound.append(step_s["off"][s] / (step_s["off"][s] - save))
     res["speedup_bound"] = [min(bound), statistics.median(bound), max(bound)]
     return res

@@ -357,6 +357,18 @@ def wlb_costs(loads: np.ndarray, ag_bytes: np.ndarray, c: int, hw: Hardware) -> 
     return RankCosts(loads / TP, t, zero, t, t, np.arange(R) // c, 2 * per_gpu)
 
 
+def _add_speedups(rows: list[dict], bases: tuple[str, ...]) -> None:
+    """``speedup_vs_<base>`` (same ping-pong setting) and ``speedup_vs_wlb_cp_no_pp`` on each row of
+    one configuration, as ratios of mean step times; None where the base did not run."""
+    by = {(r["policy"], r["pingpong"]): r for r in rows}
+    for r in rows:
+        for base in bases:
+            b = by.get((base, r["pingpong"]))
+            r[f"speedup_vs_{base}"] = round(b["step_s"] / r["step_s"], 4) if b else None
+        b = by.get(("wlb_cp", False))
+        r["speedup_vs_wlb_cp_no_pp"] = round(b["step_s"] / r["step_s"], 4) if b else None
+
+
 def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict) -> list[dict]:
     """All policies x {no ping-pong, ping-pong} for one (model, doclens, gpus, context); rows averaged over seeds."""
     arch, shape = ARCHS[model], MODEL_SHAPES[model]
@@ -445,13 +457,8 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
             row["tasks"] = float(np.mean([i[4]["tasks"] for i in items]))
         rows.append(row)
     # Speedups are ratios of mean step times (the paper averages batches).
-    by = {(r["policy"], r["pingpong"]): r for r in rows}
+    _add_speedups(rows, ("per_doc_cp", "wlb_cp", "colocated"))
     for r in rows:
-        for base in ("per_doc_cp", "wlb_cp", "colocated"):
-            b = by.get((base, r["pingpong"]))
-            r[f"speedup_vs_{base}"] = round(b["step_s"] / r["step_s"], 4) if b else None
-        b = by.get(("wlb_cp", False))
-        r["speedup_vs_wlb_cp_no_pp"] = round(b["step_s"] / r["step_s"], 4) if b else None
         r["paper_3d_vs_wlb"] = list(PAPER_3D[dist])
         r["paper_4d_vs_wlb"] = list(PAPER_4D[(model, dist)])
         if r["policy"] in notes:
@@ -731,13 +738,8 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
             cs = [i[3] for i in items]
             row["cp"] = max(sorted(set(cs)), key=cs.count)
         rows.append(row)
-    by = {(r["policy"], r["pingpong"]): r for r in rows}
+    _add_speedups(rows, ("wlb_cp", "colocated", "distca_stage"))
     for r in rows:
-        for base in ("wlb_cp", "colocated", "distca_stage"):
-            b = by.get((base, r["pingpong"]))
-            r[f"speedup_vs_{base}"] = round(b["step_s"] / r["step_s"], 4) if b else None
-        b = by.get(("wlb_cp", False))
-        r["speedup_vs_wlb_cp_no_pp"] = round(b["step_s"] / r["step_s"], 4) if b else None
         r["paper_4d_vs_wlb"] = list(PAPER_4D[(model, dist)])
     order = {p: i for i, p in enumerate(PP_POLICIES)}
     rows.sort(key=lambda r: (r["pingpong"], order[r["policy"]]))

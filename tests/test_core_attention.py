@@ -13,6 +13,15 @@ from _reference import attention as ref_attention, op_reference as _reference
 POLICIES = ("distca", "greedy", "per_doc_cp", "colocated")
 
 
+def _value_error(fn) -> str | None:
+    """The message of the ValueError ``fn()`` raises, or None if it raises none."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _exactness_worker(rank, world, cases):
     import distca
 
@@ -80,12 +89,7 @@ def _errors_worker(rank, world):
     msgs = {}
 
     def expect(name, fn):
-        try:
-            fn()
-        except ValueError as e:
-            msgs[name] = str(e)
-        else:
-            msgs[name] = None
+        msgs[name] = _value_error(fn)
 
     # cu_seqlens that differ across ranks: detected by the plan digest all-reduce.
     other = [0, 7, world * T] if rank == 1 else cu
@@ -362,12 +366,7 @@ def _padding_worker(rank, world):
             served[(ci, policy)] = (dp.meta.num_tasks, dp.meta.q_recv_rows, dp.meta.local_tasks, dp.meta.padding_rows)
 
     def expect(name, fn):
-        try:
-            fn()
-        except ValueError as e:
-            msgs[name] = str(e)
-        else:
-            msgs[name] = None
+        msgs[name] = _value_error(fn)
 
     # A bad padding on one rank raises on every rank (the prepare agreement), as does padding with a Plan.
     expect("bad_padding", lambda: distca.prepare([0, T, N], padding=(2,) if rank == 0 else (1,)))
