@@ -22,10 +22,13 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	touch $(STAMP)
 
 # The main job: torchtitan's llama3 debug model on 2 CPU processes with core
-# attention disaggregation on (train_configs/debug_cpu.toml), a few minutes.
+# attention disaggregation on (train_configs/debug_cpu.toml), about 2 minutes.
+# The console shows rank 0 (torchrun's filter, as torchtitan's run_train.sh does);
+# every rank: make train LOG_RANK=0,1
+LOG_RANK ?= 0
 train: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 -m torchtitan_ext.train \
-		--job.config_file train_configs/debug_cpu.toml
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 --local-ranks-filter $(LOG_RANK) \
+		-m torchtitan_ext.train --job.config_file train_configs/debug_cpu.toml
 
 # The planner report (balance, bytes, plan time of every policy on the paper's distributions).
 bench: $(STAMP)

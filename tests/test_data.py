@@ -15,6 +15,7 @@ from torchtitan_ext.data import (
     IGNORE_INDEX,
     TOKENIZER_PATH,
     CAPackedDataset,
+    StdlibDefinitionStream,
     StdlibStream,
     StreamState,
     SyntheticStream,
@@ -23,6 +24,7 @@ from torchtitan_ext.data import (
     load_tokenizer,
     make_stream,
     rank_batch,
+    split_definitions,
     stdlib_files,
 )
 
@@ -241,6 +243,58 @@ def test_stdlib_groups_read_disjoint_shards(tok):
     assert not (sets[0] & sets[1] or sets[0] & sets[2] or sets[1] & sets[2])
 
 
+def test_split_definitions_cuts_at_top_level_defs_losslessly():
+    text = '"""doc"""\nimport os\n\n@dec\n@dec2(1)\ndef f():\n    def inner(): pass\n    class C: pass\n\nX = 1\n' \
+        'class K:\n    def m(self): ...\nasync def g():\n    pass\n'
+    assert split_definitions(text) == [
+        '"""doc"""\nimport os\n\n', "@dec\n@dec2(1)\ndef f():\n    def inner(): pass\n    class C: pass\n\nX = 1\n",
+        "class K:\n    def m(self): ...\n", "async def g():\n    pass\n",
+    ]  # fmt: skip
+    assert split_definitions("def f(): pass") == ["def f(): pass"] and split_definitions("") == []
+    for f in stdlib_files():  # every real module
+        text = f.read_bytes().decode("utf-8", "replace")
+        assert "".join(split_definitions(text)) == text, f
+
+
+def test_stdlib_defs_documents_are_the_pieces_in_file_order(tok):
+    s = StdlibDefinitionStream(tok, seed=3)
+    files = stdlib_files()
+    f0, k0 = s.locate(0)
+    pieces = split_definitions(files[f0].read_bytes().decode("utf-8", "replace"))
+    assert k0 == 0 and [s.locate(i) for i in range(len(pieces))] == [(f0, k) for k in range(len(pieces))]
+    assert s.locate(len(pieces))[1] == 0 and s.locate(len(pieces))[0] != f0
+    for k in (0, len(pieces) - 1):
+        assert tok.decode(s.doc(k).tolist(), skip_special_tokens=True) == pieces[k]
+    # One epoch is every piece of every file once; the next is reshuffled.
+    n = int(s._pieces.sum())
+    e0, e1 = [s.locate(i) for i in range(n)], [s.locate(n + i) for i in range(n)]
+    assert sorted(e0) == sorted(e1) == sorted((f, k) for f in range(len(files)) for k in range(s._pieces[f]))
+    assert e0 != e1
+    with pytest.raises(ValueError, match="index must be >= 0"):
+        s.locate(-1)
+
+
+def test_stdlib_defs_groups_read_disjoint_files(tok):
+    g = [StdlibDefinitionStream(tok, group=k, num_groups=2, seed=5) for k in range(2)]
+    files = [{g[k].locate(i)[0] for i in range(2000)} for k in range(2)]
+    assert files[0] and files[1] and not files[0] & files[1]
+
+
+def test_stdlib_defs_windows_hold_many_documents_of_very_different_lengths(tok):
+    """The main job's data (make train: 2 ranks x 2048 tokens, seed 42): CAD's case."""
+    s, state = make_stream("stdlib_defs", tokenizer=tok, seed=42), StreamState()
+    docs, lens = [], []
+    for _ in range(24):
+        w = group_window(s, state, 2, 2048)
+        state = w.next_state
+        cu = w.cu_seqlens.numpy()
+        docs.append(cu.size - 1)
+        lens += np.diff(cu).tolist()
+    # Measured: 1-21 documents per window (median 6), pieces of 13 to 4096 tokens.
+    assert np.median(docs) >= 4 and max(docs) >= 15 and min(docs) == 1, docs
+    assert max(lens) / min(lens) > 200, (min(lens), max(lens))
+
+
 @pytest.mark.parametrize("name", ["synthetic_pretrain", "stdlib"])
 def test_deterministic_given_seed(tok, name):
     def windows(seed, group=0):
@@ -330,4 +384,4 @@ def test_validation_errors(tok):
         make_stream("stdlib")
     with pytest.raises(ValueError, match="scale must be"):
         SyntheticStream("pretrain", scale=0.0)
-    assert set(DATASETS) == {"stdlib", "synthetic_pretrain", "synthetic_prolong"}
+    assert set(DATASETS) == {"stdlib", "stdlib_defs", "synthetic_pretrain", "synthetic_prolong"}

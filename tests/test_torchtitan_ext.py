@@ -173,7 +173,18 @@ def test_compat_applies_once_on_cpu():
     assert llama3_parallelize._op_sac_save_list == save_list
     assert not hasattr(fc._get_gradient_divide_factors.__wrapped__, "__wrapped__")
     assert tu.device_type == "cpu" and tu.device_module is torch.cpu
-    assert torch.cpu.memory_stats() == {} and torch.cpu.get_device_properties().total_memory > 0
+    # Memory columns: this process's peak RSS (the interpreter alone holds far more than 50 MiB),
+    # against physical RAM.
+    import resource
+
+    mem = torch.cpu.memory_stats()
+    assert mem["reserved_bytes.all.peak"] == mem["active_bytes.all.peak"] > 50 << 20
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 >= mem["reserved_bytes.all.peak"]
+    assert torch.cpu.get_device_properties().total_memory > mem["reserved_bytes.all.peak"]
+    # MFU's peak: measured once on this CPU (not an A100's 312e12); other devices keep torchtitan's table.
+    peak = tu.get_peak_flops("cpu")
+    assert 1e8 < peak < 1e14 and tu.get_peak_flops("cpu") == peak
+    assert tu.get_peak_flops("NVIDIA H100 PCIe") == tu.get_peak_flops.__wrapped__("NVIDIA H100 PCIe")
     # gloo has no PREMUL_SUM: a divide factor of 1.0 (llama3's) must reduce with plain SUM on CPU.
     _, _, rs_op, ar_op = fc._get_gradient_divide_factors(None, None, torch.float32, "cpu", 1.0)
     assert rs_op == torch.distributed.ReduceOp.SUM and ar_op == torch.distributed.ReduceOp.SUM
@@ -311,14 +322,38 @@ def compiled(titan_dir, seed_ckpt):
 
 @pytest.mark.slow
 def test_end_to_end_logs_ca_metrics(two):
-    log, tb, _ = two
+    log, tb, folder = two
     ca = _CA.findall(log)
     assert [int(s) for s, *_ in ca] == list(range(1, _STEPS + 1)), log[-4000:]
     for _, before, after, policy, fwd_mib in ca:
         # distca never plans worse than colocated; when it cannot do better it moves nothing.
         assert policy == "distca" and float(after) <= float(before)
         assert float(fwd_mib) > 0 or after == before, (before, after, fwd_mib)
-    assert re.search(rf"summary: {_STEPS} steps, [0-9.]+ s/step .*CA \(distca, group of 2\): imbalance", log)
+    # The closing summary quotes the per-step lines it summarises, and the PNG is written.
+    summary = log.split("summary: ")[-1]
+    assert summary.startswith(f"{_STEPS} steps, CA group of 2 ranks, policy distca"), summary[:2000]
+    m = re.search(r"imbalance\s+([0-9.]+) mean, ([0-9.]+) worst without CAD -> ([0-9.]+) mean, ([0-9.]+) worst", summary)
+    before, after = (np.array([float(c[i]) for c in ca]) for i in (1, 2))
+    got = [float(x) for x in m.groups()]
+    assert got == pytest.approx([before.mean(), before.max(), after.mean(), after.max()], abs=1.5e-3), (got, ca)
+    m = re.search(r"without CAD ~([0-9.]+) s/step: CAD ([0-9.]+)x faster", summary)
+    assert m and float(m[2]) >= 1.0, summary[:2000]
+    assert f"tensorboard {folder}/tb/" in summary and f"plot        {folder}/ca_summary.png" in summary
+    assert (folder / "ca_summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_console_shows_each_line_once_without_noise(two):
+    """What the launcher silences at its source stays silent, and the memory and MFU columns are
+    this machine's, not an A100's (the console is torchrun's rank-0 filter, as in make train)."""
+    log = two[0]
+    assert log.count("INFO - step:  1  loss:") == 1 and log.count("ca step  1 ") == 1
+    for noise in ("Error running lspci", "Peak flops undefined", "safetensors.index.json not found", "set_vital",
+                  "may not have complete support", "Set timeout is now only supported", "will be overridden to"):  # fmt: skip
+        assert noise not in log, noise
+    mem = [float(x) for x in re.findall(r"memory:\s+([0-9.-]+)GiB", log)]
+    mfu = [float(x) for x in re.findall(r"mfu: ([0-9.]+)%", log)]
+    assert len(mfu) == _STEPS and len(mem) >= _STEPS and min(mem) > 0.05 and min(mfu) > 0.5, (mem, mfu)  # + validation
 
 
 @pytest.mark.slow

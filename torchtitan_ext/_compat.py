@@ -1,15 +1,15 @@
 """Every torchtitan 0.2.2 patch, in one place: CPU start-up fixes and the SAC save list.
 
 torchtitan 0.2.2 assumes CUDA and triton. On a machine without CUDA five
-things break at start-up (measured with torch 2.13 CPU; the list and the
-traces are in the project's platform notes, section 6). :func:`apply` fixes
-them from outside the package; nothing in site-packages is edited. Each of
-these is applied only when it is needed (no CUDA; the triton stub only when
-triton is missing).
+things break at start-up and MFU is computed against an A100 (measured with
+torch 2.13 CPU; the list is in ``docs/torchtitan.md``, "CPU start-up
+patches"). :func:`apply` fixes them from outside the package; nothing in
+site-packages is edited. Each of these is applied only when it is needed (no
+CUDA; the triton stub only when triton is missing).
 
 One patch is not a workaround and is applied on every machine:
 ``"sac_save_core_attention"`` adds distca's core-attention op to llama3's
-op-level selective activation checkpointing save list (patch 6).
+op-level selective activation checkpointing save list (the last patch).
 
 Every patch is applied at most once (a second :func:`apply` is a no-op), and
 :func:`applied` reports which ones are active.
@@ -31,7 +31,7 @@ import torch
 __all__ = ["apply", "applied", "PATCHES"]
 
 PATCHES = (
-    "triton_stub", "cpu_device_type", "cpu_memory_monitor", "gloo_fsdp_sum", "cpu_pg_timeouts",
+    "triton_stub", "cpu_device_type", "cpu_memory_monitor", "cpu_peak_flops", "gloo_fsdp_sum", "cpu_pg_timeouts",
     "sac_save_core_attention",
 )  # fmt: skip
 """Names of the patches, in the order they are applied."""
@@ -53,6 +53,7 @@ def apply() -> frozenset[str]:
         for name, fn in (
             ("cpu_device_type", _cpu_device_type),
             ("cpu_memory_monitor", _cpu_memory_monitor),
+            ("cpu_peak_flops", _cpu_peak_flops),
             ("gloo_fsdp_sum", _gloo_fsdp_sum),
             ("cpu_pg_timeouts", _cpu_pg_timeouts),
         ):
@@ -123,31 +124,78 @@ def _cpu_device_type() -> None:
         tu._get_available_device_type = probe
 
 
-# ---- 3. memory monitor -------------------------------------------------------------------
+# ---- 3. memory monitor and peak FLOPS --------------------------------------------------
 
 
 def _cpu_memory_monitor() -> None:
     """torchtitan's ``DeviceMemoryMonitor`` calls CUDA-only functions on ``device_module``.
 
     With ``device_module = torch.cpu`` it fails with ``module 'torch.cpu' has no
-    attribute 'get_device_name'``. CPU has no caching allocator to report on, so
-    the missing functions become no-ops (memory stats: empty, i.e. "unknown").
+    attribute 'get_device_name'``. CPU has no caching allocator, so the memory columns
+    (``memory: ...GiB`` per step, ``CPU memory usage for model``) report what the process
+    itself holds: its peak resident set size since it started (``ru_maxrss``; it cannot be
+    reset, so every step shows the peak so far), against physical RAM for the ``%``.
     Existing attributes are never replaced.
     """
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # physical RAM, for the "%" columns
     except (ValueError, OSError, AttributeError):
         total = 1
+
+    def memory_stats(device=None) -> dict[str, int]:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak, "num_alloc_retries": 0, "num_ooms": 0}
+
     noops = {
         "get_device_name": lambda device=None: "cpu",
         "get_device_properties": lambda device=None: types.SimpleNamespace(total_memory=total),
         "reset_peak_memory_stats": lambda device=None: None,
         "empty_cache": lambda: None,
-        "memory_stats": lambda device=None: {},
+        "memory_stats": memory_stats,
     }
     for name, fn in noops.items():
         if not hasattr(torch.cpu, name):
             setattr(torch.cpu, name, fn)
+
+
+def _cpu_peak_flops() -> None:
+    """torchtitan's MFU divides by ``get_peak_flops(device_name)``, which runs ``lspci`` (absent
+    here: a warning) and falls back to an A100's 312 TFLOP/s for an unknown device (a second
+    warning), so on CPU it printed ``mfu: 0.01%``. The replacement measures this process's fp32
+    matmul throughput once (1024^3 products, at the thread count the run uses, best of 5,
+    ~0.1 s) and uses that as the peak: MFU then reads as the share of what this CPU's matmuls
+    reach. Non-CPU device names go to the original.
+    """
+    import torchtitan.tools.utils as tu
+
+    original = tu.get_peak_flops
+    measured: list[float] = []
+
+    def get_peak_flops(device_name: str) -> float:
+        if device_name != "cpu":
+            return original(device_name)
+        if not measured:
+            import time
+
+            a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+            a @ b  # warm-up
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter()
+                a @ b
+                best = min(best, time.perf_counter() - t0)
+            measured.append(2 * 1024**3 / best)
+            tu.logger.info(
+                f"CPU peak FLOPS for MFU: {measured[0]:.3e} (fp32 1024^3 matmul measured on "
+                f"{torch.get_num_threads()} thread(s), torchtitan_ext._compat)"
+            )
+        return measured[0]
+
+    get_peak_flops.__wrapped__ = original
+    tu.get_peak_flops = get_peak_flops
 
 
 # ---- 4. FSDP on gloo ---------------------------------------------------------------------
@@ -187,7 +235,9 @@ def _cpu_pg_timeouts() -> None:
     """``set_pg_timeouts`` (called after step 1) does ``barrier(device_ids=[current_device()])``.
 
     With gloo that raises ``TypeError: ... Invoked with: BarrierOptions, ['cpu']``.
-    The replacement does the same thing with a plain ``barrier()``.
+    The replacement does the same thing with a plain ``barrier()``, and skips the mesh dims
+    whose group is a ``FakeProcessGroup`` (``efsdp`` without experts: it runs no collective,
+    has no timeout, and ``_set_pg_timeout`` warned about it on every rank).
     """
     import torchtitan.distributed.utils as du
 
@@ -195,6 +245,8 @@ def _cpu_pg_timeouts() -> None:
         torch.distributed.barrier()
         groups = [m.get_group() for m in parallel_dims.get_all_one_dimensional_meshes().values()] + [None]
         for group in groups:
+            if group is not None and isinstance(group._get_backend(torch.device("cpu")), torch._C._distributed_c10d.FakeProcessGroup):
+                continue
             torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
 
     set_pg_timeouts.__wrapped__ = du.set_pg_timeouts

@@ -58,6 +58,7 @@ from torch import nn
 import distca
 from distca.cost import CostModel, ModelShape, load_cost_model
 from distca.dispatch import build_dispatch
+from distca.planner import layer_seconds
 from torchtitan_ext.config import CoreAttention, nano_batches, validate_job
 
 __all__ = [
@@ -95,6 +96,11 @@ class StepStats:
     """Modelled CA seconds per server under the chosen policy."""
     idle_ranks: tuple[int, ...] = ()
     """Ranks whose rows are all padding (idle pipeline stages in this tick): pure servers."""
+    layer_seconds_colocated: float = 0.0
+    """Modelled forward + backward CA seconds of one layer on the slowest server without CAD
+    (:func:`distca.planner.layer_seconds`)."""
+    layer_seconds: float = 0.0
+    """The same under the chosen policy, its bytes charged on the busiest link."""
 
 
 @dataclass(frozen=True)
@@ -330,6 +336,8 @@ class CAPlanner:
             colocated_loads=tuple(base.loads.tolist()),
             loads=tuple(p.loads.tolist()),
             idle_ranks=_idle_ranks(lay),
+            layer_seconds_colocated=layer_seconds(base),
+            layer_seconds=layer_seconds(p),
         )
         return p, meta, stats
 

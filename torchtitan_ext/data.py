@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,10 +59,12 @@ __all__ = [
     # streams
     "DocStream",
     "StdlibStream",
+    "StdlibDefinitionStream",
     "SyntheticStream",
     "auto_scale",
     "make_stream",
     "stdlib_files",
+    "split_definitions",
     # windows
     "StreamState",
     "GroupWindow",
@@ -114,7 +117,7 @@ TOKENIZER_PATH = Path(__file__).resolve().parent / "assets" / "tokenizer"
 """Directory of the shipped byte-level BPE tokenizer (``tokenizer.json`` + ``tokenizer_config.json``);
 built by ``scripts/build_tokenizer.py``. Pass it as torchtitan's ``model.hf_assets_path``."""
 
-DATASETS = ("stdlib", "synthetic_pretrain", "synthetic_prolong")
+DATASETS = ("stdlib", "stdlib_defs", "synthetic_pretrain", "synthetic_prolong")
 """Valid ``job_config.training.dataset`` names."""
 
 # Directories of the stdlib tree that are not the standard library's own modules: installed
@@ -217,6 +220,99 @@ class StdlibStream:
         return toks.astype(np.int64)
 
 
+_DEFINITION = re.compile(r"(?:@|def |async def |class )")
+"""A line that opens a top-level definition (a decorator opens the definition it decorates)."""
+
+
+def split_definitions(text: str) -> list[str]:
+    """Cut a module's source at its top-level definitions, losslessly (the pieces join to ``text``).
+
+    A piece starts at every line at column 0 that opens a ``def``, ``async def`` or ``class``, or at
+    the first of its decorators; everything before the first definition (docstring, imports,
+    constants) is the module's header piece, and top-level code after a definition stays with it.
+    """
+    pieces: list[str] = []
+    start, in_decorators = 0, False
+    pos = 0
+    for line in text.splitlines(keepends=True):
+        opens = _DEFINITION.match(line) is not None
+        if opens and not in_decorators and pos > start:
+            pieces.append(text[start:pos])
+            start = pos
+        if line.strip():
+            in_decorators = line.startswith("@")
+        pos += len(line)
+    if pos > start:
+        pieces.append(text[start:pos])
+    return pieces
+
+
+@dataclass
+class StdlibDefinitionStream:
+    """Real text cut at natural boundaries: every top-level ``def``/``class`` of the stdlib's
+    ``.py`` files is a document, and so is each module's header (:func:`split_definitions`).
+
+    Lengths run from a few tokens (one-line helpers) to tens of thousands (a large class), so a
+    4,096-token group window holds 1 to ~20 documents of very different lengths: what CAD is for.
+    File order, epochs and group shards are :class:`StdlibStream`'s; a file's pieces follow each
+    other in source order. Each piece is tokenized lazily as ``[BOS] + tokens + [EOS]``.
+    """
+
+    tokenizer: Any
+    """Object with torchtitan's ``encode(text, add_bos=..., add_eos=...) -> list[int]``."""
+    group: int = 0
+    num_groups: int = 1
+    seed: int = 0
+    root: str | None = None
+    """Stdlib directory; None: ``sysconfig.get_paths()["stdlib"]``."""
+    name: str = "stdlib_defs"
+    _files: StdlibStream = field(init=False, repr=False)
+    _pieces: np.ndarray = field(init=False, repr=False)
+    """Number of pieces per file, in ``stdlib_files`` order."""
+    _epochs: list[int] = field(init=False, repr=False)
+    """First document index of each epoch seen so far (plus the end of the last)."""
+    _epoch: tuple[int, np.ndarray, np.ndarray] | None = field(init=False, repr=False, default=None)
+    """(epoch, its files in stream order, cumulative piece counts) of the last lookup."""
+    _cache: dict[int, list[np.ndarray]] = field(init=False, repr=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._files = StdlibStream(self.tokenizer, self.group, self.num_groups, self.seed, self.root)
+        # Reading and cutting every file takes ~0.2 s; tokenizing waits until a piece is drawn.
+        self._pieces = np.array([len(split_definitions(_read_text(f))) for f in self._files._files], dtype=np.int64)
+        self._epochs = [0]
+
+    def _epoch_files(self, epoch: int) -> np.ndarray:
+        fs = self._files
+        return np.array([fs.file_index(epoch * fs.per_epoch + i) for i in range(fs.per_epoch)], dtype=np.int64)
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(file in ``stdlib_files`` order, piece of that file) of this group's ``index``-th document."""
+        index = int(index)
+        if index < 0:
+            raise ValueError(f"document index must be >= 0, got {index}")
+        while self._epochs[-1] <= index:  # epochs are walked once, in order: the stream moves forward
+            e = len(self._epochs) - 1
+            self._epochs.append(self._epochs[-1] + int(self._pieces[self._epoch_files(e)].sum()))
+        epoch = int(np.searchsorted(self._epochs, index, side="right")) - 1
+        if self._epoch is None or self._epoch[0] != epoch:
+            files = self._epoch_files(epoch)
+            self._epoch = (epoch, files, np.cumsum(self._pieces[files]))
+        _, files, ends = self._epoch
+        i = index - self._epochs[epoch]
+        k = int(np.searchsorted(ends, i, side="right"))
+        return int(files[k]), int(i - (ends[k - 1] if k else 0))
+
+    def doc(self, index: int) -> np.ndarray:
+        f, piece = self.locate(index)
+        toks = self._cache.get(f)
+        if toks is None:
+            text = _read_text(self._files._files[f])
+            toks = [np.asarray(self.tokenizer.encode(t, add_bos=True, add_eos=True), dtype=np.int32)
+                    for t in split_definitions(text)]  # fmt: skip
+            self._cache[f] = toks
+        return toks[piece].astype(np.int64)
+
+
 @dataclass
 class SyntheticStream:
     """Random token ids whose document lengths follow a ``distca.doclens`` distribution.
@@ -286,10 +382,11 @@ def make_stream(
     """
     if name not in DATASETS:
         raise ValueError(f"unknown dataset name={name!r}; valid names: {list(DATASETS)}")
-    if name == "stdlib":
+    if name in ("stdlib", "stdlib_defs"):
         if tokenizer is None:
-            raise ValueError("dataset 'stdlib' needs a tokenizer; pass tokenizer=load_tokenizer()")
-        return StdlibStream(tokenizer, group=group, num_groups=num_groups, seed=seed)
+            raise ValueError(f"dataset {name!r} needs a tokenizer; pass tokenizer=load_tokenizer()")
+        cls = StdlibStream if name == "stdlib" else StdlibDefinitionStream
+        return cls(tokenizer, group=group, num_groups=num_groups, seed=seed)
     dist = name.removeprefix("synthetic_")
     if doc_scale == "auto":
         if window_tokens is None:

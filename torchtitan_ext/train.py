@@ -20,7 +20,11 @@ from torchtitan_ext import _compat
 _compat.apply()
 
 import dataclasses  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
 import time  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
 from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -30,7 +34,7 @@ from torchtitan.protocols import train_spec as ts  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.train import Trainer, main  # noqa: E402
 
-from torchtitan_ext import data, pipeline  # noqa: E402
+from torchtitan_ext import data, pipeline, report  # noqa: E402
 from torchtitan_ext.config import nano_batches, validate_job  # noqa: E402
 from torchtitan_ext.converter import StepPlan, planner_of  # noqa: E402
 from torchtitan_ext.data import pop_layout  # noqa: E402
@@ -99,10 +103,11 @@ def register_train_spec() -> None:
 
 @dataclasses.dataclass
 class _RunStats:
-    """Per-step CA numbers collected for the end-of-run summary."""
+    """Per-step numbers collected for the end-of-run summary and plot (:mod:`torchtitan_ext.report`)."""
 
     step_seconds: list[float] = dataclasses.field(default_factory=list)
     rows: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    records: list[report.StepRecord] = dataclasses.field(default_factory=list)
     graphs: list[int] = dataclasses.field(default_factory=list)
     """torch._dynamo's compiled-graph count after each step (with ``--compile.enable``)."""
 
@@ -264,6 +269,20 @@ class CoreAttentionTrainer(Trainer):
             # Host time blocked on CA exchanges: what ping-pong did not hide (0 on CUDA, see distca.exchange).
             row["ca/exposed_comm_s"] = sum(sp.exchange_wait_seconds for sp in steps)
         self.run_stats.rows.append(row)
+        per_step = n_layers * (1.0 + self.ca.cost_model.bwd_factor)  # one layer's forward -> the step's
+        self.run_stats.records.append(
+            report.StepRecord(
+                step_s=self.run_stats.step_seconds[-1],
+                imbalance_colocated=row["ca/imbalance_colocated"], imbalance=row["ca/imbalance"],
+                bytes=n_layers * sum(s.fwd_bytes + s.bwd_bytes for s in stats),
+                plan_s=row["ca/plan_ms"] / 1e3, exposed_plan_s=row["ca/exposed_plan_ms"] / 1e3, docs=row["ca/docs"],
+                model_colocated_s=n_layers * sum(s.layer_seconds_colocated for s in stats),
+                model_s=n_layers * sum(s.layer_seconds for s in stats),
+                rank_colocated_s=tuple(per_step * np.sum([s.colocated_loads for s in stats], axis=0)),
+                rank_s=tuple(per_step * np.sum([s.loads for s in stats], axis=0)),
+                attn_s=row["ca/attn_fwd_s"] + row["ca/attn_bwd_s"] if "ca/attn_fwd_s" in row else None,
+            )  # fmt: skip
+        )
         if self.metrics_processor.should_log(self.step):
             self.metrics_processor.logger.log(row, self.step)
             if "ca/attn_fwd_s" in row:
@@ -292,47 +311,89 @@ class CoreAttentionTrainer(Trainer):
         super().close()
         # torchtitan's main() destroys the process group right after close(); without a barrier
         # gloo occasionally aborts in destroy_process_group ("terminate called without an active
-        # exception", platform notes section 1). Only after a completed run: a failed rank must not
+        # exception", measured on torch 2.13 CPU). Only after a completed run: a failed rank must not
         # leave the others waiting here.
         if getattr(self, "_completed", False) and torch.distributed.is_initialized():
             torch.distributed.barrier()
 
     def _log_summary(self) -> None:
+        """The closing summary (every rank logs it; the console shows rank 0) and, on global rank 0,
+        the PNG of :func:`torchtitan_ext.report.plot` in the dump folder."""
         st = self.run_stats
-        steps = st.step_seconds[1:] or st.step_seconds  # step 1 includes warm-up
-        if not steps:
-            return
-        mean_s = float(np.mean(steps))
-        tokens = self.job_config.training.seq_len * self.job_config.training.local_batch_size
-        tokens *= self.gradient_accumulation_steps
-        msg = (
-            f"summary: {len(st.step_seconds)} steps, {mean_s:.3f} s/step ({1 / mean_s:.2f} steps/s, "
-            f"{tokens / mean_s:,.0f} tok/s per rank) excluding step 1"
-        )
-        if st.rows:
-            rows = st.rows[1:] or st.rows
-            mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[-1]}
-            msg += (
-                f"; CA ({self.ca.cfg.policy}, group of {self.ca.size}): imbalance "
-                f"{mean['ca/imbalance_colocated']:.3f} (colocated) -> {mean['ca/imbalance']:.3f}, "
-                f"fwd+bwd {mean['ca/fwd_MiB_per_layer'] + mean['ca/bwd_MiB_per_layer']:.2f} MiB per layer per step, "
-                f"plan {mean['ca/plan_ms']:.1f} ms/step (exposed {mean['ca/exposed_plan_ms']:.1f} ms/step)"
-            )
-            if "ca/exposed_comm_s" in mean:
-                msg += f", exposed CA comm {mean['ca/exposed_comm_s']:.3f} s/step"
-            if "ca/attn_fwd_s" in mean:
-                attn = mean["ca/attn_fwd_s"] + mean["ca/attn_bwd_s"]
-                msg += (
-                    f", attention {mean['ca/attn_fwd_s']:.3f} s fwd + {mean['ca/attn_bwd_s']:.3f} s bwd "
-                    f"per step ({100 * attn / mean_s:.0f}% of step time)"
+        tr = self.job_config.training
+        if self.ca is None:
+            steps = st.step_seconds[1:] or st.step_seconds
+            if steps:
+                mean_s = float(np.mean(steps))
+                logger.info(
+                    f"summary: {len(st.step_seconds)} steps, {mean_s:.3f} s/step, "
+                    f"{tr.seq_len * tr.local_batch_size / mean_s:,.0f} tokens/s per rank (core attention off)"
                 )
+            lines = []
+        else:
+            run = report.RunRecord(
+                policy=self.ca.cfg.policy, group_size=self.ca.size, layers=self.model_args.n_layers,
+                tokens_per_step=tr.seq_len * tr.local_batch_size * self.gradient_accumulation_steps,
+                cost_model=self.ca.cost_model.name, steps=st.records, tensorboard_dir=self._tensorboard_dir(),
+            )  # fmt: skip
+            timed = [r.attn_s for r in st.records[1:] if r.attn_s is not None]
+            mine = float(np.mean(timed)) if timed else float("nan")
+            # One small gather at the very end of a completed run (every rank of the group is here).
+            got: list = [None] * self.ca.size
+            torch.distributed.all_gather_object(got, mine, group=self.ca.group)
+            if all(np.isfinite(got)):
+                run.measured_rank_attn_s = tuple(float(x) for x in got)
+            path = None
+            if torch.distributed.get_rank() == 0 and st.records:
+                path = str(report.plot(run, Path(self.job_config.job.dump_folder) / "ca_summary.png"))
+            lines = report.summary_lines(run, path)
         if st.graphs:
             # A new plan every step must not recompile: the plan reaches compiled code as a tensor.
-            msg += f"; torch.compile: {st.graphs[0]} graphs in step 1, {st.graphs[-1] - st.graphs[0]} more after"
-        logger.info(msg)
+            lines.append(f"  compile     torch.compile: {st.graphs[0]} graphs in step 1, {st.graphs[-1] - st.graphs[0]} more after")
+        for line in lines:
+            logger.info(line)
+
+    def _tensorboard_dir(self) -> str | None:
+        for lg in getattr(self.metrics_processor.logger, "_loggers", []):
+            writer = getattr(lg, "writer", None)
+            if writer is not None:
+                return str(writer.log_dir)
+        return None
+
+
+class _DropMessages(logging.Filter):
+    """Drops torchtitan log records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def _quiet() -> None:
+    """Silence, at their source, the start-up warnings a user of this launcher cannot act on.
+
+    Each one is narrow (matched by its text) so that every other warning still shows.
+    """
+    # "DTensor random operators / manual_seed() may not have complete support on cpu device
+    # mesh": torch's generic caveat, raised by torchtitan's own seeding on every CPU run; our
+    # runs' determinism is tested (the same seed gives the same losses).
+    warnings.filterwarnings("ignore", message=r"DTensor (random operators|manual_seed\(\)) may not have complete support")
+    # torchdata's StatefulDataLoader calls its own deprecated torch.set_vital on every loader.
+    warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated")
+    if not torch.cuda.is_available():
+        # torchrun exports TORCH_NCCL_ASYNC_ERROR_HANDLING=1 and torchtitan overwrites it with a
+        # warning; without CUDA there is no NCCL for it to configure.
+        os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+    # torchtitan's logger is the root logger. Its checkpointer looks for HF weights'
+    # index file at start-up even with checkpointing off; the shipped assets are a tokenizer only.
+    logging.getLogger().addFilter(_DropMessages(("model.safetensors.index.json not found",)))
 
 
 def run() -> None:
+    _quiet()
     register_train_spec()
     main(CoreAttentionTrainer)
 

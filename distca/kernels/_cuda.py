@@ -1,6 +1,6 @@
 """CUDA backends: flash-attn's varlen kernels, or the flash-attn bundled in ATen.
 
-This is the one adapter around private dependency APIs (style.md section 3):
+This is the one adapter around private dependency APIs, so their version differences live in one place:
 
 * ``flash_attn``: ``flash_attn.flash_attn_interface._flash_attn_varlen_forward`` /
   ``_flash_attn_varlen_backward``, the functions behind ``flash_attn_varlen_func``.

@@ -34,9 +34,9 @@ from distca.cost import MODEL_SHAPES, CostModel, Mode, ModelShape, load_cost_mod
 from distca.layout import Layout
 from distca.planner import colocated, distca, greedy, per_doc_cp, wlb_cp
 from distca.planner.options import PlanOptions
-from distca.planner.plans import Plan, build_plan
+from distca.planner.plans import Plan, build_plan, layer_seconds
 
-__all__ = ["Plan", "Policy", "POLICIES", "move_gain", "plan"]
+__all__ = ["Plan", "Policy", "POLICIES", "layer_seconds", "move_gain", "plan"]
 
 Policy = Literal["distca", "greedy", "per_doc_cp", "wlb_cp", "colocated"]
 POLICIES: tuple[str, ...] = get_args(Policy)
@@ -144,18 +144,14 @@ def plan(
 
 
 def move_gain(base: Plan, p: Plan) -> float:
-    """Modelled seconds per layer that ``p`` saves over ``base`` (forward + backward of the slowest
-    server) minus what its bytes cost (``CostModel.link_byte_s`` per byte a server sends plus
-    receives, forward + backward, on the busiest link).
+    """Modelled seconds per layer that ``p`` saves over ``base``: ``layer_seconds(base) -
+    layer_seconds(p)`` (its bytes are charged against its balance).
 
     ``plan(..., "distca")`` returns the colocated plan unless its own plan has a lower max load
     and this is positive: it is never modelled slower than colocated, and it keeps every row
     home when moving does not pay.
     """
-    cm = p.cost_model
-    gain = (float(base.loads.max()) - float(p.loads.max())) * (1.0 + cm.bwd_factor)
-    cost = cm.link_byte_s * (p.traffic.max_server_step_bytes - base.traffic.max_server_step_bytes)
-    return gain - cost
+    return layer_seconds(base) - layer_seconds(p)
 
 
 def _resolve_shape(shape: ModelShape | str | None) -> ModelShape:

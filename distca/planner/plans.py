@@ -12,7 +12,7 @@ import numpy as np
 from distca.cost import CostModel, ModelShape, Traffic, causal_pairs, traffic
 from distca.layout import Layout
 
-__all__ = ["Plan", "build_plan"]
+__all__ = ["Plan", "build_plan", "layer_seconds"]
 
 _TASK_COLS = ("doc", "q_start", "q_end", "server")
 
@@ -166,3 +166,11 @@ def build_plan(
     return Plan(
         layout, policy, tasks, loads, pairs, tr, shape, cost_model, tolerance, min_shard, capacity_bytes, mode
     )
+
+
+def layer_seconds(p: Plan) -> float:
+    """Modelled seconds of one layer's core attention on the plan's slowest server: forward plus
+    backward of its busiest load, plus ``CostModel.link_byte_s`` per byte the busiest link sends
+    and receives (forward + backward). The planner's step-time measure."""
+    cm = p.cost_model
+    return float(p.loads.max()) * (1.0 + cm.bwd_factor) + cm.link_byte_s * p.traffic.max_server_step_bytes

@@ -4,7 +4,7 @@ head-tail chunks over up to ``c`` ranks of the group where it starts.
 
 ``c`` is ``PlanOptions.cp_degree``, or (None) the power of two dividing R whose plan has the
 lowest modelled forward + backward time of the slowest server plus its bytes on the busiest link
-(the quantity :func:`distca.planner.move_gain` compares), as a grid search over DP x CP would pick.
+(:func:`distca.planner.layer_seconds`), as a grid search over DP x CP would pick.
 With ``c = R`` this is ``per_doc_cp``; with ``c = 1``, ``colocated``.
 
 The tasks run on the CAD runtime like any plan (queries and keys travel to their server); the
@@ -17,7 +17,7 @@ from __future__ import annotations
 from distca.layout import Layout
 from distca.planner.options import Columns, PlanOptions
 from distca.planner.per_doc_cp import head_tail
-from distca.planner.plans import build_plan
+from distca.planner.plans import build_plan, layer_seconds
 
 __all__ = ["assign", "cp_degrees"]
 
@@ -44,7 +44,7 @@ def assign(layout: Layout, opts: PlanOptions) -> Columns:
         cols = head_tail(layout, opts.min_shard, c)
         p = build_plan(layout, "wlb_cp", *cols, shape=opts.shape, cost_model=cm, tolerance=opts.tolerance,
                        min_shard=opts.min_shard, capacity_bytes=None, mode=opts.mode)  # fmt: skip
-        cost = float(p.loads.max()) * (1.0 + cm.bwd_factor) + cm.link_byte_s * p.traffic.max_server_step_bytes
+        cost = layer_seconds(p)
         if best is None or cost < best[0]:
             best = (cost, cols)
     return best[1]

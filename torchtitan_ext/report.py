@@ -1,0 +1,162 @@
+"""The end of a training run: a few summary lines and a PNG of what core attention
+disaggregation did, from the per-step numbers :class:`torchtitan_ext.train.CoreAttentionTrainer`
+collects (pure: no torch.distributed; the trainer gathers the per-rank times first).
+
+Units: seconds per training step, summed over layers, forward plus backward, unless a name says
+otherwise. "Modelled" means the job's cost model (``[core_attention] cost_model``), as the
+planner uses it; "measured" means this run's clocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["RunRecord", "StepRecord", "summary_lines", "plot"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One training step of one CA group (every rank of the group computes the same)."""
+
+    step_s: float
+    """Measured wall time of the step on this rank."""
+    imbalance_colocated: float
+    """Mean over the step's micro-/nano-batches of max/mean modelled CA time, no CAD."""
+    imbalance: float
+    """The same under the job's policy."""
+    bytes: int
+    """CA bytes of the step, forward + backward, all layers, all pairs of the group."""
+    plan_s: float
+    """Planning-thread seconds (all micro-batches)."""
+    exposed_plan_s: float
+    """Seconds the training thread waited for plans plus binding."""
+    docs: float
+    """Mean documents per CA-group window."""
+    model_colocated_s: float
+    """Modelled CA seconds of the step on the slowest server without CAD."""
+    model_s: float
+    """Modelled CA seconds of the step on the slowest server with the plan, its bytes charged."""
+    rank_colocated_s: tuple[float, ...]
+    """Modelled CA seconds per server (CA rank) without CAD."""
+    rank_s: tuple[float, ...]
+    """Modelled CA seconds per server with the plan (bytes not included)."""
+    attn_s: float | None = None
+    """Measured CA seconds on this rank (kernels and exchanges), None when not timed (compiled)."""
+
+
+@dataclass
+class RunRecord:
+    """What a run collected, plus where its outputs are."""
+
+    policy: str
+    group_size: int
+    layers: int
+    tokens_per_step: int
+    """Tokens one rank trains on per step."""
+    cost_model: str
+    steps: list[StepRecord] = field(default_factory=list)
+    measured_rank_attn_s: tuple[float, ...] = ()
+    """Mean measured CA seconds per step of each rank of the group (gathered at the end)."""
+    tensorboard_dir: str | None = None
+
+
+def _timed(run: RunRecord) -> list[StepRecord]:
+    # Step 1 carries start-up (allocator warm-up, first plans without look-ahead).
+    return run.steps[1:] or run.steps
+
+
+def summary_lines(run: RunRecord, plot_path: str | None = None) -> list[str]:
+    """The closing summary, one string per line."""
+    if not run.steps:
+        return ["summary: no step ran"]
+    steps = _timed(run)
+    n = len(run.steps)
+    step_s = float(np.mean([s.step_s for s in steps]))
+    col = np.array([s.imbalance_colocated for s in run.steps])
+    cad = np.array([s.imbalance for s in run.steps])
+    mib = np.mean([s.bytes for s in steps]) / (1 << 20)
+    lines = [
+        f"summary: {n} steps, CA group of {run.group_size} ranks, policy {run.policy} "
+        f"(times exclude step 1, the warm-up)",
+        f"  speed       {step_s:.3f} s/step, {run.tokens_per_step / step_s:,.0f} tokens/s per rank",
+        f"  imbalance   {col.mean():.3f} mean, {col.max():.3f} worst without CAD -> {cad.mean():.3f} mean, "
+        f"{cad.max():.3f} worst with it (modelled CA time, max/mean over ranks)",
+        f"  traffic     {mib:.1f} MiB of CA bytes per step (forward + backward, {run.layers} layers, all pairs)",
+        f"  planning    {1e3 * np.mean([s.plan_s for s in steps]):.1f} ms/step in the planning thread, "
+        f"{1e3 * np.mean([s.exposed_plan_s for s in steps]):.1f} ms/step exposed; "
+        f"{np.mean([s.docs for s in run.steps]):.1f} documents per group window",
+    ]
+    timed = [s.attn_s for s in steps if s.attn_s is not None]
+    model_col = float(np.mean([s.model_colocated_s for s in steps]))
+    model_cad = float(np.mean([s.model_s for s in steps]))
+    if timed:
+        attn = float(np.mean(timed))
+        lines.append(f"  attention   {attn:.3f} s/step on this rank, {100 * attn / step_s:.0f}% of the step (measured)")
+        # Without CAD the rest of the step (linear layers, optimizer, FSDP) is the same, and
+        # attention takes the modelled slowest-rank ratio longer than it measured with CAD.
+        without = float(np.mean([s.step_s + s.attn_s * (s.model_colocated_s / s.model_s - 1.0)
+                                 for s in steps if s.attn_s is not None and s.model_s > 0]))  # fmt: skip
+        lines += [
+            f"  modelled    without CAD ~{without:.3f} s/step: CAD {without / step_s:.2f}x faster (the slowest rank's "
+            f"attention {model_col:.3f} -> {model_cad:.3f} s/step",
+            f"              under cost model {run.cost_model!r}, bytes charged; that ratio applied to the measured attention)",
+        ]
+    else:
+        lines.append(
+            f"  modelled    slowest rank's attention {model_col:.3f} s/step without CAD -> {model_cad:.3f} s/step "
+            f"with it (cost model {run.cost_model!r}; attention is not timed under torch.compile)"
+        )
+    if run.tensorboard_dir:
+        # The run folder's parent holds every run of this dump folder, side by side in TensorBoard.
+        logdir = Path(run.tensorboard_dir).parent
+        lines.append(f"  tensorboard {run.tensorboard_dir}  (open: tensorboard --logdir {logdir})")
+    else:
+        lines.append("  tensorboard off ([metrics] enable_tensorboard = true writes every step's ca/* scalars)")
+    if plot_path:
+        lines.append(f"  plot        {plot_path}")
+    return lines
+
+
+def plot(run: RunRecord, path: str | Path) -> Path:
+    """Write the run's PNG: per-step imbalance without and with CAD, and per-rank attention time
+    (modelled without and with CAD, and measured). Returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    steps = np.arange(1, len(run.steps) + 1)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.plot(steps, [s.imbalance_colocated for s in run.steps], "o-", ms=3, label="without CAD (colocated)")
+    a1.plot(steps, [s.imbalance for s in run.steps], "o-", ms=3, label=f"with CAD ({run.policy})")
+    a1.axhline(1.0, color="k", lw=0.5)
+    a1.set_xlabel("step")
+    a1.set_ylabel("CA imbalance (max / mean modelled time)")
+    a1.set_title("attention imbalance per step")
+    a1.legend(fontsize=8)
+
+    timed = _timed(run)
+    R = run.group_size
+    x = np.arange(R)
+    col = np.mean([s.rank_colocated_s for s in timed], axis=0)
+    cad = np.mean([s.rank_s for s in timed], axis=0)
+    bars = [(col, "without CAD, modelled"), (cad, f"with CAD ({run.policy}), modelled")]
+    if len(run.measured_rank_attn_s) == R:
+        bars.append((np.asarray(run.measured_rank_attn_s), "with CAD, measured (kernels + exchanges)"))
+    w = 0.8 / len(bars)
+    for i, (y, label) in enumerate(bars):
+        a2.bar(x + (i - (len(bars) - 1) / 2) * w, y, w, label=label)
+    a2.set_xticks(x, [f"rank {r}" for r in range(R)])
+    a2.set_ylabel("core attention seconds per step")
+    a2.set_title("attention time per rank (mean over steps 2..)")
+    a2.legend(fontsize=8)
+    fig.suptitle(f"core attention disaggregation: {len(run.steps)} steps, group of {R}, cost model {run.cost_model!r}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
