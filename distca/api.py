@@ -35,7 +35,7 @@ from distca.dispatch import DispatchMeta, build_dispatch
 from distca.exchange import ExchangeStats, Flight
 from distca.cost import Mode
 from distca.layout import Layout
-from distca.mesh import agree, fingerprint, resolve_group
+from distca.mesh import agree, resolve_group
 from distca.planner import Plan, Policy, plan as make_plan
 
 __all__ = ["DispatchPlan", "prepare", "core_attention", "CoreAttention"]
@@ -67,7 +67,8 @@ class DispatchPlan:
     """Exchange wait time of every flight of this plan."""
     _device_meta: dict = field(default_factory=dict)
     _stash: dict = field(default_factory=dict)  # keep mode: stash id -> server tensors, forward to backward
-    _verified: set = field(default_factory=set)
+    _checked_cu: list = field(default_factory=list)
+    """The last cu_seqlens object checked against the layout (the same object is not re-copied)."""
 
     def meta_on(self, device: torch.device) -> DispatchMeta:
         """The metadata on ``device`` (moved once, in one transfer)."""
@@ -118,7 +119,7 @@ def prepare(
             raises like any bad input (on every rank, see ``verify``).
         dispatch: with a Plan, this rank's ``distca.dispatch.build_dispatch(plan, rank)``
             made ahead of time (e.g. in a planning thread); default: built here.
-        verify: ``"now"``: one small all-reduce here checks that every rank has the same
+        verify: ``"now"``: one agreement (a small all-to-all) here checks that every rank has the same
             plan and raises ``ValueError`` on every rank if not (or if any rank's input was
             bad). ``"first_use"``: no collective here; the same check joins the agreement
             that the first ``core_attention`` call of this plan runs anyway, before any data
@@ -209,10 +210,29 @@ def _check_placements(q, k, v, group) -> None:
             raise ValueError(f"DTensor q, k, v placement {p!r} on mesh dim {dim!r} is not supported; it must be {rule}")
 
 
-def _fields(digest: int, sig: tuple | None = None, mode: str | None = None) -> dict[str, int]:
-    """What every rank of a CA group must agree on; the same fields in every agreement, so
-    that a rank in ``prepare`` and a rank in its first layer still pair up (and disagree)."""
-    return {"plan (cu_seqlens digest)": digest, "q, k, v shapes and dtype": fingerprint(sig), "mode": fingerprint(mode)}
+def _fields(digest: int, q: object = None, k: object = None, mode: object = None) -> dict[str, int | str]:
+    """What every rank of a CA group must agree on, by value; the same fields in every agreement
+    (``prepare`` sends -1 and "" for the call's), so that whatever agreement a peer is in, a rank
+    pairs with it and the message names the values that differ."""
+    qs = tuple(q.shape) if isinstance(q, torch.Tensor) and q.dim() == 3 else (-1, -1, -1)
+    ks = tuple(k.shape) if isinstance(k, torch.Tensor) and k.dim() == 3 else (-1, -1, -1)
+    return {
+        "plan": f"{digest:015x}" if digest else "none",
+        "T (q rows)": qs[0], "Hq": qs[1], "Hkv": ks[1], "D": qs[2], "k rows": ks[0],
+        "dtype": str(q.dtype).removeprefix("torch.") if isinstance(q, torch.Tensor) else "",
+        "mode": mode if isinstance(mode, str) else "",
+    }  # fmt: skip
+
+
+def _reject(group: object, plan: object, err: str, exc: type[Exception] = ValueError) -> None:
+    """Raise ``exc(err)`` on this rank after taking part in the agreement its peers are in, so
+    they raise too (a rank that rejects its input before agreeing must not leave them waiting).
+    The group is the plan's, else ``group``'s (None: world)."""
+    pg = plan.group if isinstance(plan, DispatchPlan) else resolve_group(group)
+    try:
+        agree(pg, torch.device("cpu"), err, _fields(0))
+    except ValueError:
+        raise exc(err) from None
 
 
 def _given(padding: object) -> bool:
@@ -273,6 +293,7 @@ def _core_attention_fwd(
     ca_mode: str,
     kernel_backend: str,
     for_backward: bool,
+    agreed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns fresh ``out`` [T, Hq, D] (q's dtype) and ``lse`` [Hq, T] fp32, both row-major.
 
@@ -281,9 +302,12 @@ def _core_attention_fwd(
     recompute. ``stash_id`` stays a mutated argument because the op runs collectives: a
     mutating op is never dropped or reordered by Inductor, a functional one may be.
     ``for_backward`` (keep mode): stash the server tensors for a backward; False under
-    ``no_grad``, where nothing is kept.
+    ``no_grad``, where nothing is kept. ``agreed``: the eager caller ran this call's agreement;
+    False from compiled code, where it runs here.
     """
     dp = _lookup(handle)
+    if not agreed:
+        _verify(dp, q, k, v, None, ca_mode)
     f = dp.flight(q.device, softmax_scale, ca_mode, kernel_backend)
     f.dispatch(q, k, v)
     f.serve()
@@ -296,7 +320,7 @@ def _core_attention_fwd(
 
 
 @_core_attention_fwd.register_fake
-def _(stash_id, q, k, v, handle, softmax_scale, ca_mode, kernel_backend, for_backward):
+def _(stash_id, q, k, v, handle, softmax_scale, ca_mode, kernel_backend, for_backward, agreed):
     T, hq, d = q.shape
     return q.new_empty((T, hq, d)), q.new_empty((hq, T), dtype=torch.float32)
 
@@ -342,10 +366,10 @@ def _(token, dout, q, k, v, out, lse, stash_id, handle, softmax_scale, ca_mode, 
 
 class _CoreAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, handle, owner, softmax_scale, mode, backend, for_backward):
+    def forward(ctx, q, k, v, handle, owner, softmax_scale, mode, backend, for_backward, agreed):
         stash_id = torch.zeros(1, dtype=torch.int64)
         out, lse = torch.ops.distca.core_attention_fwd(
-            stash_id, q, k, v, handle, softmax_scale, mode, backend, for_backward
+            stash_id, q, k, v, handle, softmax_scale, mode, backend, for_backward, agreed
         )
         ctx.save_for_backward(q, k, v, out, lse, stash_id, handle)
         ctx.owner = owner  # eager: a plan made inside core_attention lives until this backward
@@ -359,7 +383,7 @@ class _CoreAttentionFn(torch.autograd.Function):
         dq, dk, dv = torch.ops.distca.core_attention_bwd(
             token, dout.contiguous(), q, k, v, out, lse, stash_id, handle, *ctx.cfg
         )
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 # ---- public API -----------------------------------------------------------------------------
@@ -413,31 +437,36 @@ def _resolve_plan(plan, cu_seqlens, group) -> tuple[torch.Tensor, "DispatchPlan 
         return plan.handle, plan
     if isinstance(plan, Plan) or plan is None:
         if plan is None and cu_seqlens is None:
-            raise ValueError("cu_seqlens is required when plan is None")
-        dp = prepare(plan if plan is not None else cu_seqlens, group)
+            _reject(group, None, "cu_seqlens is required when plan is None")
+        # Its checks join this call's agreement: one agreement per call.
+        dp = prepare(plan if plan is not None else cu_seqlens, group, verify="first_use")
         return dp.handle, dp
-    raise TypeError(f"plan must be a DispatchPlan, its handle, a Plan or None, got {type(plan).__name__}")
+    _reject(group, None, f"plan must be a DispatchPlan, its handle, a Plan or None, got {type(plan).__name__}", TypeError)
 
 
 def _verify(dp: DispatchPlan, q, k, v, cu_seqlens, mode: str) -> None:
-    """Eager: validate on every rank, agreeing before any data moves.
+    """Validate this call on every rank: one agreement per call, before any data moves.
 
-    The full check (cu_seqlens against the plan: a host copy) and the all-reduce run on
-    the first call per plan and input signature, i.e. once per step, not once per layer.
+    Every call agrees (not only a plan's first): whether a call is a plan's first is local
+    state, and a collective that only some ranks run hangs the others. The agreement carries
+    the plan digest, T, Hq, Hkv, D, k rows, dtype and mode by value, and any rank's error.
+    ``cu_seqlens`` is checked against the plan's layout when given (a host copy, skipped for the
+    object checked last).
     """
-    tensors = all(isinstance(x, torch.Tensor) for x in (q, k, v))
-    sig = (tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype)) if tensors else None
-    first = (sig, mode) not in dp._verified
     err = dp.error
     if err is None:
         lay = dp.plan.layout
-        cu = _as_numpy(cu_seqlens) if first and cu_seqlens is not None else None
+        cu = None
+        if cu_seqlens is not None and not (dp._checked_cu and dp._checked_cu[0] is cu_seqlens):
+            cu = _as_numpy(cu_seqlens)
         err = _local_error(q, k, v, cu, lay.tokens_per_rank, lay.ranks, lay.kv_rows)
-        if err is None and cu is not None and (cu.size != lay.num_docs + 1 or np.any(cu != lay.cu_array)):
-            err = "cu_seqlens differ from the layout the plan was made for"
-    if err is not None or first:
-        agree(dp.group, q.device if tensors else torch.device("cpu"), err, _fields(dp.digest, sig, mode))
-        dp._verified.add((sig, mode))
+        if err is None and cu is not None:
+            if cu.size != lay.num_docs + 1 or np.any(cu != lay.cu_array):
+                err = "cu_seqlens differ from the layout the plan was made for"
+            else:
+                dp._checked_cu[:] = [cu_seqlens]
+    tensors = all(isinstance(x, torch.Tensor) for x in (q, k, v))
+    agree(dp.group, q.device if tensors else torch.device("cpu"), err, _fields(dp.digest, q, k, mode))
 
 
 def core_attention(
@@ -486,7 +515,10 @@ def core_attention(
 
     if isinstance(q, DTensor):
         mesh, placements = q.device_mesh, q.placements
-        _check_placements(q, k, v, group)
+        try:
+            _check_placements(q, k, v, group)
+        except (ValueError, TypeError) as e:
+            _reject(group if group is not None else mesh, plan, str(e), type(e))
         out = core_attention(
             q.to_local(), k.to_local(), v.to_local(), cu_seqlens,
             group=group if group is not None else mesh, plan=plan,
@@ -495,7 +527,7 @@ def core_attention(
         return DTensor.from_local(out, mesh, placements, run_check=False)
 
     if mode not in ("resend", "keep"):
-        raise ValueError(f"mode must be 'resend' or 'keep', got {mode!r}")
+        _reject(group, plan, f"mode must be 'resend' or 'keep', got {mode!r}")
     if isinstance(q, torch.Tensor):  # otherwise validation below raises on every rank
         if softmax_scale is None:
             softmax_scale = q.shape[-1] ** -0.5
@@ -505,10 +537,16 @@ def core_attention(
     handle, owner = _resolve_plan(plan, cu_seqlens, group)
     # keep mode stashes server tensors only for a forward that a backward will consume.
     for_backward = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v))
-    if torch.compiler.is_compiling():
-        return _CoreAttentionFn.apply(q, k, v, handle, None, softmax_scale, mode, backend, for_backward)
-    _verify(owner if owner is not None else _lookup(handle), q, k, v, cu_seqlens, mode)
-    return _CoreAttentionFn.apply(q, k, v, handle, owner, softmax_scale, mode, backend, for_backward)
+    if torch.compiler.is_compiling():  # the op itself agrees (its body runs eagerly)
+        return _CoreAttentionFn.apply(q, k, v, handle, None, softmax_scale, mode, backend, for_backward, False)
+    dp = owner
+    if dp is None:
+        try:
+            dp = _lookup(handle)
+        except RuntimeError as e:
+            _reject(group, None, str(e), RuntimeError)
+    _verify(dp, q, k, v, cu_seqlens, mode)
+    return _CoreAttentionFn.apply(q, k, v, handle, owner, softmax_scale, mode, backend, for_backward, True)
 
 
 class CoreAttention(nn.Module):

@@ -2,19 +2,19 @@
 
 Every check that can fail on one rank only is turned into a collective
 agreement before any data moves, so a bad input raises on every rank of the
-group instead of leaving the others waiting in an all-to-all.
+group instead of leaving the others waiting in an all-to-all. Every agreement
+has the same record layout, so whatever agreement a peer is in, a rank that
+rejects its input pairs with it (and its error reaches the peer).
 """
 
 from __future__ import annotations
-
-import hashlib
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["resolve_group", "agree", "fingerprint"]
+__all__ = ["resolve_group", "agree"]
 
 CA_DIM = "ca"
 
@@ -41,20 +41,8 @@ def resolve_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessG
     raise TypeError(f"group must be None, a ProcessGroup or a DeviceMesh, got {type(group).__name__}")
 
 
-def fingerprint(*parts: object) -> int:
-    """A 62-bit hash of ints, strings and int arrays, equal on every rank for equal inputs."""
-    h = hashlib.blake2b(digest_size=8)
-    for p in parts:
-        if isinstance(p, np.ndarray):
-            h.update(np.ascontiguousarray(p, dtype=np.int64).tobytes())
-        else:
-            h.update(repr(p).encode())
-        h.update(b"|")
-    return int.from_bytes(h.digest(), "little") >> 2
-
-
 def _collective_device(pg: dist.ProcessGroup, preferred: torch.device) -> torch.device:
-    """A device the group's backends can all-reduce on: ``preferred`` if supported, else CPU
+    """A device the group's backends can run the agreement on: ``preferred`` if supported, else CPU
     (gloo), else the current CUDA device (an NCCL-only group cannot take CPU tensors).
 
     Reads the group's registered device types, not ``get_backend(pg)``: that reads
@@ -70,31 +58,91 @@ def _collective_device(pg: dist.ProcessGroup, preferred: torch.device) -> torch.
     return preferred
 
 
-def agree(
-    pg: dist.ProcessGroup, device: torch.device, local_error: str | None, fields: dict[str, int]
-) -> None:
-    """Raise ``ValueError`` on every rank if any rank has ``local_error`` or ``fields`` differ.
+_SLOT = 24
+"""Bytes of one field in an agreement record: an int64, or a short string (utf-8, truncated)."""
+_TEXT = 320
+"""Bytes of a rank's error message in its record (utf-8, truncated)."""
 
-    One all-reduce (MAX) of [error flag, fields, -fields]; ``fields`` are named
-    ints that must be equal across the group (sizes, hashes).
+
+def _record(local_error: str | None, fields: dict[str, int | str]) -> bytes:
+    out = bytearray(8 + _SLOT * len(fields) + _TEXT)
+    out[0] = 1 if local_error else 0
+    for i, v in enumerate(fields.values()):
+        slot = 8 + _SLOT * i
+        if isinstance(v, str):
+            b = v.encode()[: _SLOT - 1]
+            out[slot] = 2
+            out[slot + 1 : slot + 1 + len(b)] = b
+        else:
+            out[slot] = 1
+            out[slot + 8 : slot + 16] = int(v).to_bytes(8, "little", signed=True)
+    text = (local_error or "").encode()[:_TEXT]
+    out[8 + _SLOT * len(fields) : 8 + _SLOT * len(fields) + len(text)] = text
+    return bytes(out)
+
+
+def _decode(rec: bytes, names: list[str]) -> tuple[bool, dict[str, int | str], str]:
+    vals: dict[str, int | str] = {}
+    for i, name in enumerate(names):
+        slot = 8 + _SLOT * i
+        if rec[slot] == 2:
+            vals[name] = rec[slot + 1 : slot + _SLOT].rstrip(b"\0").decode(errors="replace")
+        else:
+            vals[name] = int.from_bytes(rec[slot + 8 : slot + 16], "little", signed=True)
+    text = rec[8 + _SLOT * len(names) :].rstrip(b"\0").decode(errors="replace")
+    return bool(rec[0]), vals, text
+
+
+def _ranks(rs: list[int]) -> str:
+    shown = ", ".join(map(str, rs[:8])) + (f", ... ({len(rs)} ranks)" if len(rs) > 8 else "")
+    return f"rank{'s' if len(rs) > 1 else ''} {shown}"
+
+
+def agree(
+    pg: dist.ProcessGroup, device: torch.device, local_error: str | None, fields: dict[str, int | str]
+) -> None:
+    """Raise ``ValueError`` on every rank of ``pg`` if any rank has ``local_error`` or any of
+    ``fields`` differs across the ranks.
+
+    One all-to-all (an all-gather) of a fixed-size record per rank: an error flag, the fields
+    (named ints or short strings; every rank passes the same names in the same order) and the
+    rank's error message, so every rank can say which rank failed and why, and which values
+    differ on which ranks. A rank with an error still takes part, so its peers raise too.
     """
-    vals = list(fields.values())
+    R, me = dist.get_world_size(pg), dist.get_rank(pg)
+    if R == 1:  # nobody to agree with
+        if local_error:
+            raise ValueError(local_error)
+        return
+    rec = _record(local_error, fields)
     dev = _collective_device(pg, device)
-    t = torch.tensor([1 if local_error else 0, *vals, *(-v for v in vals)], dtype=torch.int64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-    t = t.tolist()
-    n = len(vals)
+    send = torch.frombuffer(bytearray(rec * R), dtype=torch.uint8).to(dev)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=pg)
+    raw = recv.cpu().numpy().tobytes()
+    names = list(fields)
+    got = [_decode(raw[r * len(rec) : (r + 1) * len(rec)], names) for r in range(R)]
     if local_error:
         raise ValueError(local_error)
-    if t[0]:
+    failed = [r for r in range(R) if got[r][0]]
+    if failed:
+        r = failed[0]
+        more = f" (and {_ranks(failed[1:])})" if len(failed) > 1 else ""
         raise ValueError(
-            f"another rank of the CA group (size {dist.get_world_size(pg)}) rejected its input; see its error. "
-            "Nothing was sent."
+            f"another rank of the CA group (size {R}) rejected its input: rank {r}{more} says: {got[r][2]!r}. Nothing was sent."
         )
-    bad = [name for i, name in enumerate(fields) if t[1 + i] != vals[i] or -t[1 + n + i] != vals[i]]
-    if bad:
+    diffs = []
+    for name in names:
+        by_value: dict[int | str, list[int]] = {}
+        for r in range(R):
+            by_value.setdefault(got[r][1][name], []).append(r)
+        if len(by_value) > 1:
+            diffs.append(f"{name}: " + "; ".join(f"{v!r} on {_ranks(rs)}" for v, rs in by_value.items()))
+    if diffs:
         raise ValueError(
-            f"{', '.join(bad)} differ across the ranks of the CA group (rank {dist.get_rank(pg)} has "
-            f"{', '.join(f'{b}={fields[b]}' for b in bad)}); every rank must pass the same cu_seqlens "
-            "and equal-shaped q, k, v. Nothing was sent."
+            f"{', '.join(d.split(':')[0] for d in diffs)} {'differs' if len(diffs) == 1 else 'differ'} across the ranks "
+            f"of the CA group (this is rank {me}): "
+            + " | ".join(diffs)
+            + ". Every rank must pass the same plan (cu_seqlens) and equal-shaped q, k, v with the same mode. "
+            "Nothing was sent."
         )

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from distca import kernels
-from distca.api import DispatchPlan, _lookup, _verify
+from distca.api import DispatchPlan, _lookup, _reject, _verify
 from distca.cost import Mode
 from distca.exchange import Flight as _Exchange
 
@@ -129,12 +129,16 @@ def start(
     :func:`distca.prepare` for this nano-batch). Returns the :class:`Flight` to pass to
     :func:`serve` and then :func:`finish`. Raises ``ValueError`` on every rank on bad input.
     """
-    if mode not in ("resend", "keep"):
-        raise ValueError(f"mode must be 'resend' or 'keep', got {mode!r}")
     if isinstance(plan, torch.Tensor):
-        plan = _lookup(plan)
+        try:
+            plan = _lookup(plan)
+        except RuntimeError as e:
+            _reject(None, None, str(e), RuntimeError)
     if not isinstance(plan, DispatchPlan):
-        raise TypeError(f"plan must be a DispatchPlan from distca.prepare (or its handle), got {type(plan).__name__}")
+        msg = f"plan must be a DispatchPlan from distca.prepare (or its handle), got {type(plan).__name__}"
+        _reject(None, None, msg, TypeError)
+    if mode not in ("resend", "keep"):
+        _reject(None, plan, f"mode must be 'resend' or 'keep', got {mode!r}")
     _verify(plan, q, k, v, None, mode)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     flight = Flight(plan.flight(q.device, scale, mode, kernels.select_backend(q.device, backend)), plan)

@@ -416,7 +416,7 @@ def stage_op(args) -> int:
     if not res["ok"] and ok:
         res["note"] = (
             "core_attention is correct, but distca.prepare fails on a NCCL-only process group (its input "
-            "agreement all-reduces a CPU tensor); torchtitan creates exactly such a group on GPUs"
+            "agreement collective takes a CPU tensor); torchtitan creates exactly such a group on GPUs"
         )
     _write_json(args.out / "op_check.json", res)
     for a in res["attempts"]:
@@ -688,7 +688,7 @@ def stage_train(args) -> int:
     messages: list[str] = []
     state: dict = {}
 
-    # torchtitan asks for a NCCL-only default process group on GPUs; distca's agreement all-reduce
+    # torchtitan asks for a NCCL-only default process group on GPUs; distca's agreement collective
     # runs on a device the group supports (distca.mesh._collective_device), so "auto" keeps it.
     # --pg-backend "cuda:nccl,cpu:gloo" adds a gloo CPU backend beside NCCL (op_check.json's
     # nccl_only_group tells whether that is ever needed).

@@ -1,5 +1,7 @@
 """core_attention on real gloo process groups (2 and 4 ranks) against a single-process reference."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -91,7 +93,7 @@ def _errors_worker(rank, world):
     def expect(name, fn):
         msgs[name] = _value_error(fn)
 
-    # cu_seqlens that differ across ranks: detected by the plan digest all-reduce.
+    # cu_seqlens that differ across ranks: detected by the agreement (plan digests).
     other = [0, 7, world * T] if rank == 1 else cu
     expect("cu_differs", lambda: distca.prepare(other))
     dp = distca.prepare(cu)
@@ -122,6 +124,29 @@ def _errors_worker(rank, world):
 
     p_cu = distca.plan(distca.Layout(tuple(cu), world, T))
     expect("dispatch_rank", first_use(p_cu, dispatch=build_dispatch(p_cu, (rank + 1) % world if rank == 0 else rank)))
+    # Later calls on a plan already used: every call agrees, so one rank's different T, heads,
+    # dtype, mode, cu_seqlens or plan raises on every rank (a first-use-only check hangs here).
+    distca.core_attention(q, k, v, cu, plan=dp)
+    one = rank == world - 1
+    expect("later_T", lambda: distca.core_attention(q[:12] if one else q, k[:12] if one else k, v[:12] if one else v, cu, plan=dp))
+    expect("later_hkv", lambda: distca.core_attention(q, torch.randn(T, 4, 8) if one else k, torch.randn(T, 4, 8) if one else v, cu, plan=dp))
+    expect("later_dtype", lambda: distca.core_attention(*(x.half() if one else x for x in (q, k, v)), cu, plan=dp))
+    expect("later_mode", lambda: distca.core_attention(q, k, v, cu, plan=dp, mode="keep" if one else "resend"))
+    expect("later_cu", lambda: distca.core_attention(q, k, v, [0, 6, world * T] if one else cu, plan=dp))
+    dp_other = distca.prepare([0, 9, world * T])
+    expect("later_plan", lambda: distca.core_attention(q, k, v, None, plan=dp_other if one else dp))
+    # Errors raised before any plan is known: the bad rank still joins its peers' agreement.
+    expect("bad_mode", lambda: distca.core_attention(q, k, v, cu, plan=dp, mode="fast" if one else "resend"))
+    expect("no_cu", lambda: distca.core_attention(q, k, v, None if one else cu, plan=None))
+    try:
+        distca.core_attention(q, k, v, cu, plan="x" if one else dp)
+        msgs["plan_type"] = None
+    except (TypeError, ValueError) as e:
+        msgs["plan_type"] = f"{type(e).__name__}: {e}"
+    # Compiled: the op agrees itself (its body runs eagerly), on every call.
+    f = torch.compile(lambda q, k, v, h: distca.core_attention(q, k, v, None, plan=h), fullgraph=True)
+    f(q, k, v, dp.handle)
+    expect("compiled_heads", lambda: f(torch.randn(T, 2, 8) if one else q, k, v, dp.handle))
     out_c = distca.core_attention(q, torch.cat([k, k]), torch.cat([v, v]), None, plan=dpc)
     assert out_c.shape == q.shape and torch.isfinite(out_c).all()
     # Nothing was half-changed: a valid call still works and is deterministic.
@@ -137,12 +162,29 @@ def _errors_worker(rank, world):
 def test_bad_input_raises_on_every_rank_without_hanging():
     world = 2
     res = run_workers(_errors_worker, world, timeout=120)
+    later = ("later_T", "later_hkv", "later_dtype", "later_mode", "later_cu", "later_plan", "bad_mode", "no_cu",
+             "plan_type", "compiled_heads")  # fmt: skip
     for name in ("cu_differs", "T_differs", "gqa", "dtype", "float64", "ranks", "cu_mismatch", "context_kv_rows", "context_bad",
-                 "first_use_differs", "verify_bad", "dispatch_rank"):  # fmt: skip
+                 "first_use_differs", "verify_bad", "dispatch_rank", *later):  # fmt: skip
         for r in range(world):
             assert res[r][name] is not None, f"rank {r} did not raise for {name}"
-    assert "differ across the ranks" in res[0]["cu_differs"]
-    assert "tokens_per_rank=16" in res[0]["T_differs"] and "rejected its input" in res[1]["T_differs"]
+    # Mismatches name the values per rank; a rank's own error reaches its peers verbatim.
+    assert re.search(r"plan differs across the ranks .*plan: '[0-9a-f]+' on rank 0; '[0-9a-f]+' on rank 1", res[0]["cu_differs"])
+    assert "tokens_per_rank=16" in res[0]["T_differs"] and "rejected its input: rank 0 says" in res[1]["T_differs"]
+    assert "tokens_per_rank=16" in res[1]["T_differs"]
+    for r in range(world):
+        assert "T=12 rows but the plan's layout has tokens_per_rank=16" in res[r]["later_T"]
+        assert "Hkv, k rows differ" not in res[r]["later_hkv"] and "Hkv differs" in res[r]["later_hkv"]
+        assert "Hkv: 2 on rank 0; 4 on rank 1" in res[r]["later_hkv"]
+        assert "dtype: 'float32' on rank 0; 'float16' on rank 1" in res[r]["later_dtype"]
+        assert "mode: 'resend' on rank 0; 'keep' on rank 1" in res[r]["later_mode"]
+        assert "cu_seqlens differ from the layout" in res[r]["later_cu"]
+        assert "plan differs across the ranks" in res[r]["later_plan"]
+        assert "mode must be 'resend' or 'keep', got 'fast'" in res[r]["bad_mode"]
+        assert "cu_seqlens is required when plan is None" in res[r]["no_cu"]
+        assert "plan must be a DispatchPlan, its handle, a Plan or None, got str" in res[r]["plan_type"]
+        assert "Hq: 4 on rank 0; 2 on rank 1" in res[r]["compiled_heads"]
+    assert res[1]["plan_type"].startswith("TypeError") and res[0]["plan_type"].startswith("ValueError: another rank")
     assert "Hq=3 must be a multiple of Hkv=2" in res[0]["gqa"]
     assert "share a dtype" in res[1]["dtype"]
     assert "dtype must be one of torch.float32, torch.bfloat16, torch.float16, got torch.float64" in res[0]["float64"]
@@ -150,7 +192,7 @@ def test_bad_input_raises_on_every_rank_without_hanging():
     assert "cu_seqlens differ from the layout" in res[0]["cu_mismatch"]
     assert "k has 16 rows but the plan needs 32" in res[0]["context_kv_rows"] and "cat([k_prev, k])" in res[1]["context_kv_rows"]
     assert "context[0]: need 1 <= tokens <= end <= R*T" in res[0]["context_bad"] and "another rank" in res[1]["context_bad"]
-    assert "differ across the ranks" in res[0]["first_use_differs"]
+    assert "plan differs across the ranks" in res[0]["first_use_differs"]
     assert 'verify must be "now" or "first_use", got \'later\'' in res[1]["verify_bad"] and "another rank" in res[0]["verify_bad"]
     assert "dispatch was built for rank 1 of 2; this is rank 0 of 2" in res[0]["dispatch_rank"] and "another rank" in res[1]["dispatch_rank"]
 
@@ -267,7 +309,7 @@ def _opcheck_worker(rank, world):
         g = torch.Generator().manual_seed(T)
         q, k, v = (torch.randn(T, h, 8, generator=g) for h in (hq, hkv, hkv))
         stash_id = torch.zeros(1, dtype=torch.int64)
-        args = (stash_id, q, k, v, dp.handle, 0.3, mode, "cpu", True)
+        args = (stash_id, q, k, v, dp.handle, 0.3, mode, "cpu", True, False)  # False: the op agrees itself
         torch.library.opcheck(torch.ops.distca.core_attention_fwd.default, args)  # raises on a bad fake/schema
         out, lse = torch.ops.distca.core_attention_fwd(*args)
         # The real strides are the fake's (row-major), and the outputs share no storage.
@@ -309,7 +351,7 @@ def _lifetime_worker(rank, world):
     gc.collect()
     freed = key not in api._LIVE
     try:
-        torch.ops.distca.core_attention_fwd(torch.zeros(1, dtype=torch.int64), q, k, v, handle, 0.3, "resend", "cpu", False)
+        torch.ops.distca.core_attention_fwd(torch.zeros(1, dtype=torch.int64), q, k, v, handle, 0.3, "resend", "cpu", False, True)
         err = ""
     except RuntimeError as e:
         err = str(e)
@@ -410,6 +452,6 @@ def test_padding_in_one_process():
         ref = _reference(cu, q, k, v, dout, pad)
         for mode in ("resend", "keep"):
             ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
-            out = api._CoreAttentionFn.apply(ql, kl, vl, dp.handle, dp, d**-0.5, mode, kernels.select_backend("cpu"), True)
+            out = api._CoreAttentionFn.apply(ql, kl, vl, dp.handle, dp, d**-0.5, mode, kernels.select_backend("cpu"), True, True)
             (out * dout).sum().backward()
             _check_padded((out.detach(), ql.grad, kl.grad, vl.grad), ref, torch.from_numpy(lay.padding_mask(0)), 1e-5, f"{cu}, {mode}")

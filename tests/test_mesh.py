@@ -1,4 +1,4 @@
-"""distca.mesh: the device the agreement all-reduce runs on, per group backend."""
+"""distca.mesh: the device the agreement runs on, per group backend."""
 
 from types import SimpleNamespace as NS
 
