@@ -293,7 +293,6 @@ def _core_attention_fwd(
     ca_mode: str,
     kernel_backend: str,
     for_backward: bool,
-    agreed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns fresh ``out`` [T, Hq, D] (q's dtype) and ``lse`` [Hq, T] fp32, both row-major.
 
@@ -302,12 +301,12 @@ def _core_attention_fwd(
     recompute. ``stash_id`` stays a mutated argument because the op runs collectives: a
     mutating op is never dropped or reordered by Inductor, a functional one may be.
     ``for_backward`` (keep mode): stash the server tensors for a backward; False under
-    ``no_grad``, where nothing is kept. ``agreed``: the eager caller ran this call's agreement;
-    False from compiled code, where it runs here.
+    ``no_grad``, where nothing is kept. The call's agreement (:func:`_verify`) runs here, in
+    eager and compiled code alike, so an op that selective checkpointing saved skips it in the
+    recompute along with its all-to-alls.
     """
     dp = _lookup(handle)
-    if not agreed:
-        _verify(dp, q, k, v, None, ca_mode)
+    _verify(dp, q, k, v, None, ca_mode)
     f = dp.flight(q.device, softmax_scale, ca_mode, kernel_backend)
     f.dispatch(q, k, v)
     f.serve()
@@ -320,7 +319,7 @@ def _core_attention_fwd(
 
 
 @_core_attention_fwd.register_fake
-def _(stash_id, q, k, v, handle, softmax_scale, ca_mode, kernel_backend, for_backward, agreed):
+def _(stash_id, q, k, v, handle, softmax_scale, ca_mode, kernel_backend, for_backward):
     T, hq, d = q.shape
     return q.new_empty((T, hq, d)), q.new_empty((hq, T), dtype=torch.float32)
 
@@ -366,10 +365,10 @@ def _(token, dout, q, k, v, out, lse, stash_id, handle, softmax_scale, ca_mode, 
 
 class _CoreAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, handle, owner, softmax_scale, mode, backend, for_backward, agreed):
+    def forward(ctx, q, k, v, handle, owner, softmax_scale, mode, backend, for_backward):
         stash_id = torch.zeros(1, dtype=torch.int64)
         out, lse = torch.ops.distca.core_attention_fwd(
-            stash_id, q, k, v, handle, softmax_scale, mode, backend, for_backward, agreed
+            stash_id, q, k, v, handle, softmax_scale, mode, backend, for_backward
         )
         ctx.save_for_backward(q, k, v, out, lse, stash_id, handle)
         ctx.owner = owner  # eager: a plan made inside core_attention lives until this backward
@@ -383,7 +382,7 @@ class _CoreAttentionFn(torch.autograd.Function):
         dq, dk, dv = torch.ops.distca.core_attention_bwd(
             token, dout.contiguous(), q, k, v, out, lse, stash_id, handle, *ctx.cfg
         )
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ---- public API -----------------------------------------------------------------------------
@@ -444,27 +443,36 @@ def _resolve_plan(plan, cu_seqlens, group) -> tuple[torch.Tensor, "DispatchPlan 
     _reject(group, None, f"plan must be a DispatchPlan, its handle, a Plan or None, got {type(plan).__name__}", TypeError)
 
 
-def _verify(dp: DispatchPlan, q, k, v, cu_seqlens, mode: str) -> None:
-    """Validate this call on every rank: one agreement per call, before any data moves.
+def _call_error(dp: DispatchPlan, q, k, v, cu_seqlens) -> str | None:
+    """This rank's reason to reject a call on ``dp`` (local: no collective), or None.
+
+    ``cu_seqlens`` is compared with the plan's layout when given (a host copy, skipped for the
+    object compared last).
+    """
+    if dp.error is not None:
+        return dp.error
+    lay = dp.plan.layout
+    cu = None
+    if cu_seqlens is not None and not (dp._checked_cu and dp._checked_cu[0] is cu_seqlens):
+        cu = _as_numpy(cu_seqlens)
+    err = _local_error(q, k, v, cu, lay.tokens_per_rank, lay.ranks, lay.kv_rows)
+    if err is None and cu is not None:
+        if cu.size != lay.num_docs + 1 or np.any(cu != lay.cu_array):
+            return "cu_seqlens differ from the layout the plan was made for"
+        dp._checked_cu[:] = [cu_seqlens]
+    return err
+
+
+def _verify(dp: DispatchPlan, q, k, v, cu_seqlens, mode: str, err: str | None = None) -> None:
+    """This call's agreement, on every rank, before any data moves: raises ``ValueError`` on
+    every rank of the group if any rank rejects its call or the calls differ.
 
     Every call agrees (not only a plan's first): whether a call is a plan's first is local
-    state, and a collective that only some ranks run hangs the others. The agreement carries
-    the plan digest, T, Hq, Hkv, D, k rows, dtype and mode by value, and any rank's error.
-    ``cu_seqlens`` is checked against the plan's layout when given (a host copy, skipped for the
-    object checked last).
+    state, and a collective that only some ranks run hangs the others. The record carries the
+    plan digest, T, Hq, Hkv, D, k rows, dtype and mode by value, and any rank's error.
     """
-    err = dp.error
     if err is None:
-        lay = dp.plan.layout
-        cu = None
-        if cu_seqlens is not None and not (dp._checked_cu and dp._checked_cu[0] is cu_seqlens):
-            cu = _as_numpy(cu_seqlens)
-        err = _local_error(q, k, v, cu, lay.tokens_per_rank, lay.ranks, lay.kv_rows)
-        if err is None and cu is not None:
-            if cu.size != lay.num_docs + 1 or np.any(cu != lay.cu_array):
-                err = "cu_seqlens differ from the layout the plan was made for"
-            else:
-                dp._checked_cu[:] = [cu_seqlens]
+        err = _call_error(dp, q, k, v, cu_seqlens)
     tensors = all(isinstance(x, torch.Tensor) for x in (q, k, v))
     agree(dp.group, q.device if tensors else torch.device("cpu"), err, _fields(dp.digest, q, k, mode))
 
@@ -537,16 +545,19 @@ def core_attention(
     handle, owner = _resolve_plan(plan, cu_seqlens, group)
     # keep mode stashes server tensors only for a forward that a backward will consume.
     for_backward = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v))
-    if torch.compiler.is_compiling():  # the op itself agrees (its body runs eagerly)
-        return _CoreAttentionFn.apply(q, k, v, handle, None, softmax_scale, mode, backend, for_backward, False)
-    dp = owner
-    if dp is None:
-        try:
-            dp = _lookup(handle)
-        except RuntimeError as e:
-            _reject(group, None, str(e), RuntimeError)
-    _verify(dp, q, k, v, cu_seqlens, mode)
-    return _CoreAttentionFn.apply(q, k, v, handle, owner, softmax_scale, mode, backend, for_backward, True)
+    if not torch.compiler.is_compiling():
+        # The op agrees (its body runs eagerly, compiled too); a call this rank rejects joins that
+        # agreement from here instead, with its error, and never reaches the op.
+        dp = owner
+        if dp is None:
+            try:
+                dp = _lookup(handle)
+            except RuntimeError as e:
+                _reject(group, None, str(e), RuntimeError)
+        err = _call_error(dp, q, k, v, cu_seqlens)
+        if err is not None:
+            _verify(dp, q, k, v, cu_seqlens, mode, err)
+    return _CoreAttentionFn.apply(q, k, v, handle, owner, softmax_scale, mode, backend, for_backward)
 
 
 class CoreAttention(nn.Module):

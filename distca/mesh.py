@@ -99,7 +99,7 @@ def _ranks(rs: list[int]) -> str:
 
 
 def agree(
-    pg: dist.ProcessGroup, device: torch.device, local_error: str | None, fields: dict[str, int | str]
+    pg: dist.ProcessGroup | None, device: torch.device, local_error: str | None, fields: dict[str, int | str]
 ) -> None:
     """Raise ``ValueError`` on every rank of ``pg`` if any rank has ``local_error`` or any of
     ``fields`` differs across the ranks.
@@ -109,11 +109,11 @@ def agree(
     rank's error message, so every rank can say which rank failed and why, and which values
     differ on which ranks. A rank with an error still takes part, so its peers raise too.
     """
-    R, me = dist.get_world_size(pg), dist.get_rank(pg)
-    if R == 1:  # nobody to agree with
+    if pg is None or dist.get_world_size(pg) == 1:  # no group (a process-local plan) or a group of 1
         if local_error:
             raise ValueError(local_error)
         return
+    R, me = dist.get_world_size(pg), dist.get_rank(pg)
     rec = _record(local_error, fields)
     dev = _collective_device(pg, device)
     send = torch.frombuffer(bytearray(rec * R), dtype=torch.uint8).to(dev)

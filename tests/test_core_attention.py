@@ -143,7 +143,7 @@ def _errors_worker(rank, world):
         msgs["plan_type"] = None
     except (TypeError, ValueError) as e:
         msgs["plan_type"] = f"{type(e).__name__}: {e}"
-    # Compiled: the op agrees itself (its body runs eagerly), on every call.
+    # Compiled: the op's body (eager) agrees, on every call.
     f = torch.compile(lambda q, k, v, h: distca.core_attention(q, k, v, None, plan=h), fullgraph=True)
     f(q, k, v, dp.handle)
     expect("compiled_heads", lambda: f(torch.randn(T, 2, 8) if one else q, k, v, dp.handle))
@@ -309,7 +309,7 @@ def _opcheck_worker(rank, world):
         g = torch.Generator().manual_seed(T)
         q, k, v = (torch.randn(T, h, 8, generator=g) for h in (hq, hkv, hkv))
         stash_id = torch.zeros(1, dtype=torch.int64)
-        args = (stash_id, q, k, v, dp.handle, 0.3, mode, "cpu", True, False)  # False: the op agrees itself
+        args = (stash_id, q, k, v, dp.handle, 0.3, mode, "cpu", True)
         torch.library.opcheck(torch.ops.distca.core_attention_fwd.default, args)  # raises on a bad fake/schema
         out, lse = torch.ops.distca.core_attention_fwd(*args)
         # The real strides are the fake's (row-major), and the outputs share no storage.
@@ -351,7 +351,7 @@ def _lifetime_worker(rank, world):
     gc.collect()
     freed = key not in api._LIVE
     try:
-        torch.ops.distca.core_attention_fwd(torch.zeros(1, dtype=torch.int64), q, k, v, handle, 0.3, "resend", "cpu", False, True)
+        torch.ops.distca.core_attention_fwd(torch.zeros(1, dtype=torch.int64), q, k, v, handle, 0.3, "resend", "cpu", False)
         err = ""
     except RuntimeError as e:
         err = str(e)
@@ -452,6 +452,6 @@ def test_padding_in_one_process():
         ref = _reference(cu, q, k, v, dout, pad)
         for mode in ("resend", "keep"):
             ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
-            out = api._CoreAttentionFn.apply(ql, kl, vl, dp.handle, dp, d**-0.5, mode, kernels.select_backend("cpu"), True, True)
+            out = api._CoreAttentionFn.apply(ql, kl, vl, dp.handle, dp, d**-0.5, mode, kernels.select_backend("cpu"), True)
             (out * dout).sum().backward()
             _check_padded((out.detach(), ql.grad, kl.grad, vl.grad), ref, torch.from_numpy(lay.padding_mask(0)), 1e-5, f"{cu}, {mode}")
