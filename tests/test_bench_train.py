@@ -85,7 +85,7 @@ def test_json_contract_end_to_end(tmp_path):
     # (at 2048 tokens per rank moving pays under the cpu model; at 1024 the planner keeps rows home)
     assert s["imbalance_before"] > s["imbalance_after"]
     assert Path(s["png"]).is_file()
-    assert np.isfinite(s["mem_ratio_resend"]) and s["mem_ratio_resend"] >= 1.0
+    assert 1.0 <= s["mem_ratio_resend"] < 1.5  # per-rank peak memory max/mean (measured 1.000)
     # Sequential nano-batches expose their exchanges; the colocated baseline has none to expose.
     assert max(s["configs"]["off"]["exposed_comm_s_per_rank"]) == 0.0
     assert max(s["configs"]["distca"]["exposed_comm_s_per_rank"]) > 0.0

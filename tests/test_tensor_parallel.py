@@ -20,7 +20,7 @@ _compat.apply()  # before any torchtitan import in this process
 from torchtitan_ext.config import CoreAttention, validate  # noqa: E402
 
 from dist_utils import run_workers  # noqa: E402
-from _titan import ROOT, _from_seed, _losses, _torchrun  # noqa: E402
+from _titan import _STEPS, ROOT, _from_seed, _losses  # noqa: E402
 
 # ---- config ----------------------------------------------------------------------------------
 
@@ -209,38 +209,26 @@ def test_ca_groups_loader_and_shape_with_tensor_parallel():
 # The same global batch (one CA group of 1024 tokens: 2 batch ranks x 512) and seed checkpoint,
 # fp32, deterministic; with TP each batch rank is 2 processes holding 8 of the 16 heads.
 
-_STEPS = "6"
-
-
-@pytest.fixture(scope="module")
-def tp_seed(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tp")
-    _torchrun(1, folder / "seed", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
-    return folder, folder / "seed/checkpoint/step-0"
-
-
 @pytest.mark.slow
-def test_tensor_parallel_matches_data_parallel(tp_seed):
+def test_tensor_parallel_matches_data_parallel(titan_dir, seed_ckpt, two):
     """``torchrun --nproc_per_node 4`` with tensor_parallel_degree 2 (dp_shard 2) and CAD on = the
-    2-process run without TP; the CA plan is the same and its bytes are halved (each TP rank's
-    group dispatches 8 heads).
+    2-process run without TP (the session's ``two``: same seed checkpoint, same windows); the CA
+    plan is the same and its bytes are halved (each TP rank's group dispatches 8 heads).
 
     Measured: losses within ~1.2e-7 relative, grad norms within ~8e-6. The tolerances are tighter
     than the other end-to-end tests' because random tokens keep the loss near ln 2048: with the CA
     group wrongly taken as the two TP peers of one batch rank ({0, 1}: same tokens, different
     heads) the losses move by only 1e-6..1.4e-4 and the grad norms by 1e-5..7e-4."""
-    folder, ckpt = tp_seed
-    dp = _from_seed(2, folder, ckpt, "dp2", "--training.steps", _STEPS)
+    dp = two
     tp = _from_seed(
-        4, folder, ckpt, "dp2_tp2", "--training.steps", _STEPS, "--training.seq_len", "512",
-        "--parallelism.tensor_parallel_degree", "2",
+        4, titan_dir, seed_ckpt, "dp2_tp2", "--training.seq_len", "512", "--parallelism.tensor_parallel_degree", "2",
     )  # fmt: skip
     log = tp[0]
     assert "Applied Tensor Parallelism to the model" in log and "Applied FSDP to the model" in log, log[-4000:]
     assert "CA group of 2 ranks, 8 query / 8 KV heads per rank, TP 2" in log, log[-4000:]
     assert "group of 2" in log.split("summary:")[-1]
     ref = _losses(dp)
-    assert len(ref) == int(_STEPS) and _losses(tp) == pytest.approx(ref, rel=1e-5), (_losses(tp), ref)
+    assert len(ref) == _STEPS and _losses(tp) == pytest.approx(ref, rel=1e-5), (_losses(tp), ref)
     gn, gn_ref = (list(r[1]["grad_norm"].values()) for r in (tp, dp))
     assert gn == pytest.approx(gn_ref, rel=5e-5), (gn, gn_ref)
     for tag in ("ca/imbalance", "ca/docs"):
