@@ -151,6 +151,7 @@ def plot(run: RunRecord, path: str | Path) -> Path:
     w = 0.8 / len(bars)
     for i, (y, label) in enumerate(bars):
         a2.bar(x + (i - (len(bars) - 1) / 2) * w, y, w, label=label)
+    a2.set_ylim(0, 1.4 * max(float(np.max(y)) for y, _ in bars))  # room for the legend above the bars
     a2.set_xticks(x, [f"rank {r}" for r in range(R)])
     a2.set_ylabel("core attention seconds per step")
     a2.set_title("attention time per rank (mean over steps 2..)")
