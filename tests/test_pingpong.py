@@ -230,6 +230,7 @@ def test_trainer_pingpong_is_exact_and_compiles(titan, two):
     comp = run("compiled", 2, "--core_attention.pingpong", "--compile.enable")
     log, tb, _ = pp
     assert "2 nano-batch(es), ping-pong" in log, log[-3000:]
+    assert re.search(r"\n.*  exchanges   [0-9.]+ s/step blocked in CA exchange waits", log.split("summary: ")[-1]), log[-3000:]
     assert len(tt._losses(pp)) == tt._STEPS
     # (Overlapping changes the order of the exchanges, not the arithmetic: the sequential schedule
     # is bit-equal, tested per op above.) Nano-batches keep documents whole: the step computes what it computes without them

@@ -1,5 +1,6 @@
 """torchtitan_ext.report: the closing summary's numbers and the run's PNG, from known records."""
 
+import dataclasses
 import re
 
 import numpy as np
@@ -43,7 +44,11 @@ def test_summary_without_timing_or_tensorboard():
     run = _run()
     run.steps = [_record(1.0, 1.3, 1.0, attn_s=None) for _ in range(2)]
     text = "\n".join(summary_lines(run))
-    assert "attention is not timed under torch.compile" in text and "x faster" not in text
+    assert "attention is not timed compiled or with ping-pong" in text and "x faster" not in text
+    assert "exchanges" not in text
+    # Ping-pong: the exchange waits it did not hide (steps 2.., as every time).
+    run.steps = [dataclasses.replace(_record(1.0, 1.3, 1.0, attn_s=None), exposed_comm_s=x) for x in (9.0, 0.2, 0.4)]
+    assert "  exchanges   0.300 s/step blocked in CA exchange waits" in "\n".join(summary_lines(run))
     assert "tensorboard off" in text and "plot" not in text
     assert summary_lines(RunRecord("distca", 2, 6, 2048, "cpu")) == ["summary: no step ran"]
 

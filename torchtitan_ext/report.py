@@ -44,7 +44,10 @@ class StepRecord:
     rank_s: tuple[float, ...]
     """Modelled CA seconds per server with the plan (bytes not included)."""
     attn_s: float | None = None
-    """Measured CA seconds on this rank (kernels and exchanges), None when not timed (compiled)."""
+    """Measured CA seconds on this rank (kernels and exchanges), None when not timed (compiled
+    models, and ping-pong, whose phases interleave with the rest of the layer)."""
+    exposed_comm_s: float | None = None
+    """With nano-batches: host seconds blocked in CA exchange waits (what ping-pong did not hide)."""
 
 
 @dataclass
@@ -107,7 +110,13 @@ def summary_lines(run: RunRecord, plot_path: str | None = None) -> list[str]:
     else:
         lines.append(
             f"  modelled    slowest rank's attention {model_col:.3f} s/step without CAD -> {model_cad:.3f} s/step "
-            f"with it (cost model {run.cost_model!r}; attention is not timed under torch.compile)"
+            f"with it (cost model {run.cost_model!r}; attention is not timed compiled or with ping-pong)"
+        )
+    exposed = [s.exposed_comm_s for s in steps if s.exposed_comm_s is not None]
+    if exposed:
+        lines.append(
+            f"  exchanges   {float(np.mean(exposed)):.3f} s/step blocked in CA exchange waits on this rank "
+            f"(what ping-pong did not hide)"
         )
     if run.tensorboard_dir:
         # The run folder's parent holds every run of this dump folder, side by side in TensorBoard.

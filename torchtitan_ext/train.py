@@ -281,6 +281,7 @@ class CoreAttentionTrainer(Trainer):
                 rank_colocated_s=tuple(per_step * np.sum([s.colocated_loads for s in stats], axis=0)),
                 rank_s=tuple(per_step * np.sum([s.loads for s in stats], axis=0)),
                 attn_s=row["ca/attn_fwd_s"] + row["ca/attn_bwd_s"] if "ca/attn_fwd_s" in row else None,
+                exposed_comm_s=row.get("ca/exposed_comm_s"),
             )  # fmt: skip
         )
         if self.metrics_processor.should_log(self.step):
