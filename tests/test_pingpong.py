@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from dist_utils import run_workers
+from dist_utils import run_cases, run_workers
 
 
 def _nano_inputs(world, T, hq, hkv, d, seed):
@@ -77,9 +77,14 @@ LOCAL_2 = ([0, 16, 32, 48, 64], [0, 32, 64])  # no document crosses a rank: noth
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, layouts", [("resend", LAYOUTS_2), ("keep", LAYOUTS_2), ("resend", LOCAL_2)])
-def test_pingpong_equals_core_attention_and_mirrors_backward(mode, layouts):
-    results = run_workers(_pingpong_worker, 2, mode, layouts, 32, torch.float32, timeout=120)
+def test_pingpong_equals_core_attention_and_mirrors_backward():
+    cases = [("resend", LAYOUTS_2), ("keep", LAYOUTS_2), ("resend", LOCAL_2)]
+    runs = run_cases(_pingpong_worker, 2, [(m, lay, 32, torch.float32) for m, lay in cases], timeout=240)
+    for (mode, layouts), results in zip(cases, runs):
+        _check_pingpong(mode, layouts, results)
+
+
+def _check_pingpong(mode, layouts, results):
     for diffs, fwd, bwd, exposed, local in results:
         assert local == ([True, True] if layouts is LOCAL_2 else [False, False])
         # Same kernels, same summation order: bit-identical, not just close.
@@ -150,20 +155,18 @@ def _whole_docs_worker(rank, world, full_cu, T, order, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "order, full_cu, mode",
-    [
+def test_nano_batches_keep_documents_whole():
+    cases = [
         ("stream", [0, 5, 50, 64], "resend"),  # one document crosses ranks and the nano-batch split
         ("stream", [0, 5, 50, 64], "keep"),
         ("rows", [0, 32, 40, 64], "resend"),  # each rank's first document continues in nano-batch 1
-    ],
-)
-def test_nano_batches_keep_documents_whole(order, full_cu, mode):
-    results = run_workers(_whole_docs_worker, 2, full_cu, 32, order, mode, timeout=120)
-    for errs, has_context, moved in results:
-        assert has_context
-        for how, e in errs.items():
-            assert max(e) < 2e-5, (how, e)  # out, dq, dk, dv (dk/dv of nano-batch 0 include nano-batch 1's use)
+    ]
+    runs = run_cases(_whole_docs_worker, 2, [(cu, 32, order, mode) for order, cu, mode in cases], timeout=240)
+    for case, results in zip(cases, runs):
+        for errs, has_context, moved in results:
+            assert has_context, case
+            for how, e in errs.items():
+                assert max(e) < 2e-5, (case, how, e)  # out, dq, dk, dv (dk/dv of nano-batch 0 include nano-batch 1's use)
 
 
 def _misuse_worker(rank, world):
