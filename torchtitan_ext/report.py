@@ -100,8 +100,9 @@ def summary_lines(run: RunRecord, plot_path: str | None = None) -> list[str]:
         lines.append(f"  attention   {attn:.3f} s/step on this rank, {100 * attn / step_s:.0f}% of the step (measured)")
         # Without CAD the rest of the step (linear layers, optimizer, FSDP) is the same, and
         # attention takes the modelled slowest-rank ratio longer than it measured with CAD.
-        without = float(np.mean([s.step_s + s.attn_s * (s.model_colocated_s / s.model_s - 1.0)
-                                 for s in steps if s.attn_s is not None and s.model_s > 0]))  # fmt: skip
+        per = [s.step_s + s.attn_s * (s.model_colocated_s / s.model_s - 1.0)
+               for s in steps if s.attn_s is not None and s.model_s > 0]  # fmt: skip
+        without = float(np.mean(per)) if per else step_s  # no modelled attention: nothing to compare
         lines += [
             f"  modelled    without CAD ~{without:.3f} s/step: CAD {without / step_s:.2f}x faster (the slowest rank's "
             f"attention {model_col:.3f} -> {model_cad:.3f} s/step",
