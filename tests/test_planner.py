@@ -276,7 +276,7 @@ def test_distca_meets_the_band_with_short_documents_only(cm, shape):
         colo = plan(lay, "colocated", cost_model=cm, shape=shape)
         checked += colo.imbalance > 1.01
         priced = plan(lay, "distca", tolerance=0.05, cost_model=cm, shape=shape)
-        balanced = dataclasses.replace(p, cost_model=priced.cost_model)
+        balanced = dataclasses.replace(p, options=dataclasses.replace(p.options, cost_model=priced.cost_model))
         pays = balanced.loads.max() < colo.loads.max() and move_gain(colo, balanced) > 0
         assert priced.tasks.tobytes() == (p.tasks if pays else colo.tasks).tobytes()
     assert checked >= 10  # the layouts do need balancing
@@ -433,9 +433,10 @@ def test_balancer_bytes_match_the_traffic_model():
                 keep += [[d, a, b, srv] for a, b in ((s0, min(e0, x)), (max(s0, e), e0)) if b > a]
         keep.append([d, x, e, j])
         k = np.asarray(keep, dtype=np.int64)
+        from distca.planner.options import PlanOptions
         from distca.planner.plans import build_plan
 
-        moved = build_plan(lay, "test", k[:, 0], k[:, 1], k[:, 2], k[:, 3], shape=SHAPE, cost_model=cm, tolerance=0.05,
-                           min_shard=1, capacity_bytes=None, mode="resend", merge=False)  # fmt: skip
+        opts = PlanOptions(SHAPE, cm, 0.05, 1, None, "resend")
+        moved = build_plan(lay, "test", k[:, 0], k[:, 1], k[:, 2], k[:, 3], opts, merge=False)
         got = moved.traffic.server_recv_fwd[j] - colo.traffic.server_recv_fwd[j]
         assert bal.in_bytes(j, d, x, e) == pytest.approx(float(got)), (R, T, d, x, e, j)

@@ -114,13 +114,9 @@ def plan(
     shape = _resolve_shape(shape)
     opts = PlanOptions(shape, _resolve_cost(cost_model, shape), float(tolerance), min_shard, capacity_bytes, mode,
                        cp_degree)  # fmt: skip
-    kw = dict(
-        shape=opts.shape, cost_model=opts.cost_model, tolerance=opts.tolerance, min_shard=min_shard,
-        capacity_bytes=capacity_bytes, mode=mode,
-    )  # fmt: skip
     if policy != "distca":
-        return build_plan(layout, policy, *_ASSIGN[policy](layout, opts), **kw)
-    base = build_plan(layout, policy, *colocated.assign(layout), **kw)
+        return build_plan(layout, policy, *_ASSIGN[policy](layout, opts), opts)
+    base = build_plan(layout, policy, *colocated.assign(layout), opts)
     if capacity_bytes is not None:
         need = base.traffic.server_recv_fwd
         if need.max() > capacity_bytes:
@@ -137,7 +133,7 @@ def plan(
             return base
     else:
         cols = distca.assign(layout, opts)
-    p = build_plan(layout, policy, *cols, **kw)
+    p = build_plan(layout, policy, *cols, opts)
     if p.loads.max() >= base.loads.max() or move_gain(base, p) <= 0.0:
         return base
     return p

@@ -11,6 +11,7 @@ import numpy as np
 
 from distca.cost import CostModel, ModelShape, Traffic, causal_pairs, traffic
 from distca.layout import Layout
+from distca.planner.options import PlanOptions
 
 __all__ = ["Plan", "build_plan", "layer_seconds"]
 
@@ -35,12 +36,34 @@ class Plan:
     pairs: np.ndarray
     """int64 [R]: causal query-key pairs per server."""
     traffic: Traffic
-    shape: ModelShape
-    cost_model: CostModel
-    tolerance: float
-    min_shard: int
-    capacity_bytes: int | None
-    mode: str
+    options: PlanOptions
+    """The settings it was planned with (shape, cost model, tolerance, ...): one source, read
+    through the properties below."""
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.options.shape
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The time model the loads are in (rescaled to :attr:`shape`)."""
+        return self.options.cost_model
+
+    @property
+    def tolerance(self) -> float:
+        return self.options.tolerance
+
+    @property
+    def min_shard(self) -> int:
+        return self.options.min_shard
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return self.options.capacity_bytes
+
+    @property
+    def mode(self) -> str:
+        return self.options.mode
 
     @property
     def num_tasks(self) -> int:
@@ -99,6 +122,7 @@ class Plan:
                 "min_shard": self.min_shard,
                 "capacity_bytes": self.capacity_bytes,
                 "mode": self.mode,
+                "cp_degree": self.options.cp_degree,
             },
             separators=(",", ":"),
         )
@@ -118,12 +142,10 @@ class Plan:
             t[:, 1],
             t[:, 2],
             t[:, 3],
-            shape=ModelShape(**d["shape"]),
-            cost_model=CostModel(**d["cost_model"]),
-            tolerance=d["tolerance"],
-            min_shard=d["min_shard"],
-            capacity_bytes=d["capacity_bytes"],
-            mode=d["mode"],
+            PlanOptions(
+                ModelShape(**d["shape"]), CostModel(**d["cost_model"]), d["tolerance"], d["min_shard"],
+                d["capacity_bytes"], d["mode"], d.get("cp_degree"),
+            ),  # fmt: skip
             merge=False,
         )
 
@@ -135,15 +157,12 @@ def build_plan(
     q_start,
     q_end,
     server,
+    opts: PlanOptions,
     *,
-    shape: ModelShape,
-    cost_model: CostModel,
-    tolerance: float,
-    min_shard: int,
-    capacity_bytes: int | None,
-    mode: str,
     merge: bool = True,
 ) -> Plan:
+    """The :class:`Plan` of a policy's task columns (int arrays [N]) under ``opts``; adjacent query
+    ranges of one document on one server are merged into one task unless ``merge`` is False."""
     doc, q_start, q_end, server = (np.asarray(a, dtype=np.int64) for a in (doc, q_start, q_end, server))
     order = np.lexsort((q_start, doc, server))
     doc, q_start, q_end, server = doc[order], q_start[order], q_end[order], server[order]
@@ -158,14 +177,12 @@ def build_plan(
     tasks = np.stack([doc, q_start, q_end, server], axis=1) if doc.size else np.zeros((0, 4), np.int64)
     tasks.flags.writeable = False
     R = layout.ranks
-    loads = np.bincount(server, cost_model.task_time(q_start, q_end), R).astype(np.float64)
+    loads = np.bincount(server, opts.cost_model.task_time(q_start, q_end), R).astype(np.float64)
     pairs = np.bincount(server, causal_pairs(q_start, q_end), R).astype(np.int64)
-    tr = traffic(layout, doc, q_start, q_end, server, shape, mode)
+    tr = traffic(layout, doc, q_start, q_end, server, opts.shape, opts.mode)
     for a in (loads, pairs):
         a.flags.writeable = False
-    return Plan(
-        layout, policy, tasks, loads, pairs, tr, shape, cost_model, tolerance, min_shard, capacity_bytes, mode
-    )
+    return Plan(layout, policy, tasks, loads, pairs, tr, opts)
 
 
 def layer_seconds(p: Plan) -> float:

@@ -14,6 +14,8 @@ outside a plan's scope (a plan never changes which rank holds a token).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from distca.layout import Layout
 from distca.planner.options import Columns, PlanOptions
 from distca.planner.per_doc_cp import head_tail
@@ -38,12 +40,10 @@ def assign(layout: Layout, opts: PlanOptions) -> Columns:
     R = layout.ranks
     if opts.cp_degree is not None:
         return head_tail(layout, opts.min_shard, opts.cp_degree)
-    cm = opts.cost_model
     best = None
     for c in cp_degrees(R):
         cols = head_tail(layout, opts.min_shard, c)
-        p = build_plan(layout, "wlb_cp", *cols, shape=opts.shape, cost_model=cm, tolerance=opts.tolerance,
-                       min_shard=opts.min_shard, capacity_bytes=None, mode=opts.mode)  # fmt: skip
+        p = build_plan(layout, "wlb_cp", *cols, replace(opts, capacity_bytes=None, cp_degree=c))
         cost = layer_seconds(p)
         if best is None or cost < best[0]:
             best = (cost, cols)
