@@ -408,7 +408,7 @@ def test_distca_is_never_modelled_slower_than_colocated_and_moves_only_when_it_p
 
 
 def test_balancer_bytes_match_the_traffic_model():
-    # The balancer's capacity bookkeeping (in_bytes) is a hot-path twin of distca.cost.traffic:
+    # The balancer's capacity ledger (distca.planner.capacity.Inbound) is a hot-path twin of distca.cost.traffic:
     # moving queries [x, e) of document d to server j adds exactly what traffic() counts there.
     from distca.planner import _resolve_cost
     from distca.planner.distca import _Balancer
@@ -439,4 +439,4 @@ def test_balancer_bytes_match_the_traffic_model():
         opts = PlanOptions(SHAPE, cm, 0.05, 1, None, "resend")
         moved = build_plan(lay, "test", k[:, 0], k[:, 1], k[:, 2], k[:, 3], opts, merge=False)
         got = moved.traffic.server_recv_fwd[j] - colo.traffic.server_recv_fwd[j]
-        assert bal.in_bytes(j, d, x, e) == pytest.approx(float(got)), (R, T, d, x, e, j)
+        assert bal.inbound.cost(j, d, x, e) == pytest.approx(float(got)), (R, T, d, x, e, j)

@@ -32,7 +32,7 @@ from typing import Literal, get_args
 
 from distca.cost import MODEL_SHAPES, CostModel, Mode, ModelShape, load_cost_model
 from distca.layout import Layout
-from distca.planner import colocated, distca, greedy, per_doc_cp, wlb_cp
+from distca.planner import capacity, colocated, distca, greedy, per_doc_cp, wlb_cp
 from distca.planner.options import PlanOptions
 from distca.planner.plans import Plan, build_plan, layer_seconds
 
@@ -118,16 +118,10 @@ def plan(
         return build_plan(layout, policy, *_ASSIGN[policy](layout, opts), opts)
     base = build_plan(layout, policy, *colocated.assign(layout), opts)
     if capacity_bytes is not None:
-        need = base.traffic.server_recv_fwd
-        if need.max() > capacity_bytes:
-            r = int(need.argmax())
-            raise ValueError(
-                f"capacity_bytes={capacity_bytes} is below what rank {r} must receive even with no balancing "
-                f"({int(need[r])} bytes of KV prefix for documents it continues); raise capacity_bytes"
-            )
+        capacity.check_colocated(base, capacity_bytes)
         try:
             cols = distca.assign(layout, opts)
-        except distca.CapacityError:
+        except capacity.CapacityError:
             # The balancer's start (slivers of documents joined to their neighbouring piece) already
             # needs more than the bound, which colocated's pieces do not: keep them.
             return base

@@ -10,14 +10,10 @@ import numpy as np
 
 from distca.cost import CostModel, ModelShape
 from distca.layout import Layout, Segments
+from distca.planner.capacity import Inbound
 from distca.planner.options import Columns, PlanOptions
 
-__all__ = ["CapacityError", "assign"]
-
-
-class CapacityError(ValueError):
-    """The balancer's starting pieces already exceed ``capacity_bytes`` on some rank (``plan``
-    then keeps the colocated pieces, which it has checked fit)."""
+__all__ = ["assign"]
 
 
 class _Balancer:
@@ -26,14 +22,12 @@ class _Balancer:
     def __init__(self, layout: Layout, cm: CostModel, shape: ModelShape, min_shard: int, capacity: int | None):
         self.R, self.T = layout.ranks, layout.tokens_per_rank
         self.layout = layout
-        self.q_base = layout.q_base
         self.cm = cm
         self.min_shard = min_shard
         s = self.seg = _initial_pieces(layout, min_shard)
         # Bytes per moved query row (Q out, O + LSE back) and per KV row.
         self.qb = 2 * shape.q_row + shape.lse_row
         self.kvb = shape.kv_row
-        self.q_row = shape.q_row
         self.starts, self.ends = s.start.tolist(), s.end.tolist()
         self.free: dict[int, list[tuple[int, int]]] = {}  # kept query ranges of the pieces that were cut
         self.docs = s.doc.tolist()
@@ -60,23 +54,8 @@ class _Balancer:
         self._rank_start = np.searchsorted(s.rank[order], np.arange(self.R + 1)).tolist()
         self._ranked = order.tolist()
         self.top_pieces = [self._ranked[a : min(a + 8, b)] for a, b in zip(self._rank_start[:-1], self._rank_start[1:])]
-        self.cap = capacity
-        if capacity is not None:
-            # Colocated inputs: KV prefix rows and Q rows of each piece not held by its server.
-            g0 = self.q_base[s.doc]
-            lo, hi = s.rank * self.T, (s.rank + 1) * self.T
-            own_kv = _own_kv_rows(layout, s.rank, s.doc, s.end)
-            own_q = np.maximum(0, np.minimum(g0 + s.end, hi) - np.maximum(g0 + s.start, lo))
-            remote = (s.end - own_kv) * self.kvb + (s.end - s.start - own_q) * self.q_row
-            self.recv = np.bincount(s.rank, remote, self.R).astype(np.float64)
-            if self.recv.max() > capacity:
-                r = int(self.recv.argmax())
-                raise CapacityError(
-                    f"capacity_bytes={capacity}: rank {r}'s starting pieces already need {int(self.recv[r])} bytes"
-                )
-            self.kv_have: dict[tuple[int, int], int] = {}
-            for r_, d_, e_ in zip(s.rank.tolist(), self.docs, s.end.tolist()):
-                self.kv_have[(r_, d_)] = max(self.kv_have.get((r_, d_), 0), e_)
+        self.inbound = None if capacity is None else Inbound(layout, shape, capacity, s.rank, s.doc, s.start, s.end)
+        """``capacity_bytes``' ledger (None: unbounded); raises CapacityError if the start already exceeds it."""
 
     def _rest_pieces(self, r: int) -> list[int]:
         """Rank r's pieces after its eight heaviest, heaviest first."""
@@ -212,25 +191,6 @@ class _Balancer:
             prev = x, e
         return i, k, x, e, t
 
-    def in_bytes(self, j: int, d: int, x: int, e: int) -> float:
-        """Forward input bytes server j receives for queries [x, e) of document d."""
-        g0 = int(self.q_base[d])
-        jl, jh = j * self.T, (j + 1) * self.T
-        own_q = max(0, min(g0 + e, jh) - max(g0 + x, jl))
-        have = self.kv_have.get((j, d), 0)
-        kv_rows = 0
-        if e > have:
-            own_e, own_have = _own_kv_rows(self.layout, np.array([j, j]), np.array([d, d]), np.array([e, have])).tolist()
-            kv_rows = (e - have) - (own_e - own_have)
-        return (e - x - own_q) * self.q_row + kv_rows * self.kvb
-
-    def grow_bytes(self, j: int, d: int, x: int, e: int, cx: int, ce: int) -> float:
-        """Extra forward input bytes server j receives when its chunk [x, e) of document d
-        becomes [cx, ce) (one end moved outward; 0 when the chunk shrinks)."""
-        if ce > e:
-            return self.in_bytes(j, d, e, ce)
-        return self.in_bytes(j, d, cx, x) if cx < x else 0.0
-
     def shed(
         self, donors: list[int], receivers: list[int], mean: float, hi_bound: float, fill: float, floor: float | None = None
     ) -> None:
@@ -315,16 +275,15 @@ class _Balancer:
                 # A min_shard chunk may not fit under the bound; it still helps if the
                 # receiver ends below where the donor is now (the max goes down).
                 fits = load[j] + t <= hi_bound or (load[d] > hi_bound and load[j] + t < load[d])
-                if fits and self.cap is not None:
-                    nb = self.in_bytes(j, doc, x, e)
-                    fits = self.recv[j] + nb <= self.cap
+                if fits and self.inbound is not None:
+                    nb = self.inbound.cost(j, doc, x, e)
+                    fits = self.inbound.fits(j, nb)
                 if not fits:
                     active.discard(j)
                     parked.append(j)
                     continue
-                if self.cap is not None:
-                    self.recv[j] += nb
-                    self.kv_have[(j, doc)] = max(self.kv_have.get((j, doc), 0), e)
+                if self.inbound is not None:
+                    self.inbound.take(j, doc, e, nb)
                 ivs = self.intervals(i)
                 u, v = ivs[k]
                 ivs = ivs[:k] + [iv for iv in ((u, x), (e, v)) if iv[1] > iv[0]] + ivs[k + 1 :]
@@ -397,7 +356,7 @@ class _Balancer:
                     (ku, kv), (cx, ce) = pair(b)
                     if not (lo <= b <= hi) or 0 < kv - ku < ms or ce - cx < min(ms, e - x):
                         continue
-                    if self.cap is not None and self.recv[j] + self.grow_bytes(j, doc, x, e, cx, ce) > self.cap:
+                    if self.inbound is not None and not self.inbound.fits(j, self.inbound.grow_cost(j, doc, x, e, cx, ce)):
                         continue
                     m_ = max(loads(b))
                     if m_ < now * (1.0 - 1e-9) and (best is None or m_ < best[0]):
@@ -412,9 +371,8 @@ class _Balancer:
             load[d] -= self.piece_t[i] - after
             self.piece_t[i] = after
             load[j] += self.t(cx, ce) - t_chunk
-            if self.cap is not None:
-                self.recv[j] += self.grow_bytes(j, doc, x, e, cx, ce)
-                self.kv_have[(j, doc)] = max(self.kv_have.get((j, doc), 0), ce)
+            if self.inbound is not None:
+                self.inbound.take(j, doc, ce, self.inbound.grow_cost(j, doc, x, e, cx, ce))
             self.moved[k] = (doc, cx, ce, j)
 
     def tasks(self):
@@ -427,14 +385,6 @@ class _Balancer:
             np.concatenate([col[untouched], extra[:, k]])
             for k, col in enumerate((s.doc, s.start, s.end, s.rank))
         )
-
-
-def _own_kv_rows(layout: Layout, server: np.ndarray, doc: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """KV rows of each document's prefix [0, end) that its server holds as a home (arrays [M])."""
-    lo, hi = layout.kv_intervals(doc, end)  # [M, 2]: context (previous nano-batch), this one
-    T = layout.tokens_per_rank
-    w = (np.asarray(server, dtype=np.int64) * T)[:, None] - np.where(lo < 0, layout.total_tokens, 0)
-    return np.maximum(0, np.minimum(hi, w + T) - np.maximum(lo, w)).sum(axis=1)
 
 
 def assign(layout: Layout, opts: PlanOptions) -> Columns:
