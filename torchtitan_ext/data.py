@@ -248,25 +248,18 @@ def split_definitions(text: str) -> list[str]:
 
 
 @dataclass
-class StdlibDefinitionStream:
+class StdlibDefinitionStream(StdlibStream):
     """Real text cut at natural boundaries: every top-level ``def``/``class`` of the stdlib's
     ``.py`` files is a document, and so is each module's header (:func:`split_definitions`).
 
     Lengths run from a few tokens (one-line helpers) to tens of thousands (a large class), so a
     4,096-token group window holds 1 to ~20 documents of very different lengths: what CAD is for.
-    File order, epochs and group shards are :class:`StdlibStream`'s; a file's pieces follow each
-    other in source order. Each piece is tokenized lazily as ``[BOS] + tokens + [EOS]``.
+    File order, epochs and group shards are :class:`StdlibStream`'s (``file_index``); a file's
+    pieces follow each other in source order. Each piece is tokenized lazily as
+    ``[BOS] + tokens + [EOS]``.
     """
 
-    tokenizer: Any
-    """Object with torchtitan's ``encode(text, add_bos=..., add_eos=...) -> list[int]``."""
-    group: int = 0
-    num_groups: int = 1
-    seed: int = 0
-    root: str | None = None
-    """Stdlib directory; None: ``sysconfig.get_paths()["stdlib"]``."""
     name: str = "stdlib_defs"
-    _files: StdlibStream = field(init=False, repr=False)
     _pieces: np.ndarray = field(init=False, repr=False)
     """Number of pieces per file, in ``stdlib_files`` order."""
     _epochs: list[int] = field(init=False, repr=False)
@@ -274,16 +267,16 @@ class StdlibDefinitionStream:
     _epoch: tuple[int, np.ndarray, np.ndarray] | None = field(init=False, repr=False, default=None)
     """(epoch, its files in stream order, cumulative piece counts) of the last lookup."""
     _cache: dict[int, list[np.ndarray]] = field(init=False, repr=False, default_factory=dict)
+    """File -> its pieces' tokens."""
 
     def __post_init__(self) -> None:
-        self._files = StdlibStream(self.tokenizer, self.group, self.num_groups, self.seed, self.root)
+        super().__post_init__()
         # Reading and cutting every file takes ~0.2 s; tokenizing waits until a piece is drawn.
-        self._pieces = np.array([len(split_definitions(_read_text(f))) for f in self._files._files], dtype=np.int64)
+        self._pieces = np.array([len(split_definitions(_read_text(f))) for f in self._files], dtype=np.int64)
         self._epochs = [0]
 
     def _epoch_files(self, epoch: int) -> np.ndarray:
-        fs = self._files
-        return np.array([fs.file_index(epoch * fs.per_epoch + i) for i in range(fs.per_epoch)], dtype=np.int64)
+        return np.array([self.file_index(epoch * self.per_epoch + i) for i in range(self.per_epoch)], dtype=np.int64)
 
     def locate(self, index: int) -> tuple[int, int]:
         """(file in ``stdlib_files`` order, piece of that file) of this group's ``index``-th document."""
@@ -306,7 +299,7 @@ class StdlibDefinitionStream:
         f, piece = self.locate(index)
         toks = self._cache.get(f)
         if toks is None:
-            text = _read_text(self._files._files[f])
+            text = _read_text(self._files[f])
             toks = [np.asarray(self.tokenizer.encode(t, add_bos=True, add_eos=True), dtype=np.int32)
                     for t in split_definitions(text)]  # fmt: skip
             self._cache[f] = toks
