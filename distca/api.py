@@ -268,6 +268,14 @@ def _lookup(handle: torch.Tensor) -> DispatchPlan:
     return dp
 
 
+def _lookup_or_reject(handle: torch.Tensor, group: object) -> DispatchPlan:
+    """:func:`_lookup`, but a freed handle raises after joining the peers' agreement (:func:`_reject`)."""
+    try:
+        return _lookup(handle)
+    except RuntimeError as e:
+        _reject(group, None, str(e), RuntimeError)
+
+
 # ---- the ops --------------------------------------------------------------------------------
 
 
@@ -548,12 +556,7 @@ def core_attention(
     if not torch.compiler.is_compiling():
         # The op agrees (its body runs eagerly, compiled too); a call this rank rejects joins that
         # agreement from here instead, with its error, and never reaches the op.
-        dp = owner
-        if dp is None:
-            try:
-                dp = _lookup(handle)
-            except RuntimeError as e:
-                _reject(group, None, str(e), RuntimeError)
+        dp = owner if owner is not None else _lookup_or_reject(handle, group)
         err = _call_error(dp, q, k, v, cu_seqlens)
         if err is not None:
             _verify(dp, q, k, v, cu_seqlens, mode, err)

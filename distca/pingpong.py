@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from distca import kernels
-from distca.api import DispatchPlan, _lookup, _reject, _verify
+from distca.api import DispatchPlan, _lookup_or_reject, _reject, _verify
 from distca.cost import Mode
 from distca.exchange import Flight as _Exchange
 
@@ -130,10 +130,7 @@ def start(
     :func:`serve` and then :func:`finish`. Raises ``ValueError`` on every rank on bad input.
     """
     if isinstance(plan, torch.Tensor):
-        try:
-            plan = _lookup(plan)
-        except RuntimeError as e:
-            _reject(None, None, str(e), RuntimeError)
+        plan = _lookup_or_reject(plan, None)
     if not isinstance(plan, DispatchPlan):
         msg = f"plan must be a DispatchPlan from distca.prepare (or its handle), got {type(plan).__name__}"
         _reject(None, None, msg, TypeError)
