@@ -265,14 +265,19 @@ def traffic(
     qdst = server[qi]
     # KV rows: one prefix per (server, doc), up to the largest q_end; in KV space (two intervals).
     key = server.astype(np.int64) * (layout.num_docs + 1) + doc
-    order = np.lexsort((-q_end, key))
-    first = np.ones(order.size, dtype=bool)
-    first[1:] = key[order][1:] != key[order][:-1]
-    sel = order[first]
-    lo, hi = layout.kv_intervals(doc[sel], q_end[sel])
+    if key.size > 1 and not (key[1:] >= key[:-1]).all():  # plans come sorted by (server, doc)
+        order = np.argsort(key, kind="stable")
+        key, doc_k, end_k, server_k = key[order], doc[order], q_end[order], server[order]
+    else:
+        doc_k, end_k, server_k = doc, q_end, server
+    first = np.ones(key.size, dtype=bool)
+    first[1:] = key[1:] != key[:-1]
+    idx = np.nonzero(first)[0]
+    kv_end = np.maximum.reduceat(end_k, idx) if idx.size else end_k[:0]
+    lo, hi = layout.kv_intervals(doc_k[idx], kv_end)
     ki, kh, krows = _split_rows(lo.reshape(-1), hi.reshape(-1), T)
     kh = kh % ranks  # context rows: negative KV-space homes
-    kdst = server[sel][ki // 2]
+    kdst = server_k[idx][ki // 2]
 
     q_row, kv_row, lse_row = shape.q_row, shape.kv_row, shape.lse_row
     if mode == "resend":
@@ -292,16 +297,7 @@ def traffic(
     recv = np.bincount(qdst[qm], qr * q_fwd_in, ranks) + np.bincount(kdst[km], kr * kv_row, ranks)
 
     pair = src * ranks + dst
-    if ranks * ranks <= max(1 << 18, 4 * pair.size):
-        # Few possible pairs for the contributions: sum into every bin, keep the used ones
-        # (what np.unique's sort finds; the sums are of integers, so exact either way). Every
-        # contribution has fwd + bwd > 0 (rows > 0, row bytes > 0), so used bins are those.
-        fwd_all = np.bincount(pair, fwd, ranks * ranks)
-        bwd_all = np.bincount(pair, bwd, ranks * ranks)
-        uniq = np.nonzero(fwd_all + bwd_all)[0]
-        fwd_s, bwd_s = fwd_all[uniq].astype(np.int64), bwd_all[uniq].astype(np.int64)
-    else:
-        uniq, inv = np.unique(pair, return_inverse=True)
-        fwd_s = np.bincount(inv, fwd, uniq.size).astype(np.int64)
-        bwd_s = np.bincount(inv, bwd, uniq.size).astype(np.int64)
+    uniq, inv = np.unique(pair, return_inverse=True)
+    fwd_s = np.bincount(inv, fwd, uniq.size).astype(np.int64)
+    bwd_s = np.bincount(inv, bwd, uniq.size).astype(np.int64)
     return Traffic(ranks, uniq // ranks, uniq % ranks, fwd_s, bwd_s, recv.astype(np.int64))
