@@ -233,11 +233,36 @@ def _split_rows(lo: np.ndarray, hi: np.ndarray, T: int) -> tuple[np.ndarray, np.
     lo, hi = lo[keep], hi[keep]
     first = lo // T
     n = (hi - 1) // T - first + 1
+    if n.size and n.max() == 1:  # no interval crosses a rank boundary (the common case)
+        return idx0, first, hi - lo
     idx = np.repeat(np.arange(lo.size), n)
     k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
     home = first[idx] + k
     rows = np.minimum(hi[idx], (home + 1) * T) - np.maximum(lo[idx], home * T)
     return idx0[idx], home, rows
+
+
+_DENSE_FACTOR = 4
+"""``traffic`` sums into a dense [R, R] array when R^2 <= this x the contributions it would expand."""
+
+
+def _kv_rows_dense(lo: np.ndarray, hi: np.ndarray, server: np.ndarray, T: int, ranks: int) -> np.ndarray:
+    """Rows of non-empty KV-space intervals [lo, hi) that ``server`` reads, by home rank: an
+    [R, R] float64 array [home, server]. Context positions (negative) belong to rank p // T + R."""
+    first, last = lo // T, (hi - 1) // T
+    shift = np.where(lo < 0, ranks, 0)  # an interval is all context or all this nano-batch
+    head = np.minimum(hi, (first + 1) * T) - lo
+    tail = np.where(last > first, hi - last * T, 0)
+    first, last = first + shift, last + shift
+    n = ranks * ranks
+    out = np.bincount(first * ranks + server, head, n) + np.bincount(last * ranks + server, tail, n)
+    # Whole ranks strictly between first and last: +T from first + 1 on, -T from last on
+    # (a difference array along the home axis; index ranks is past the end).
+    mid = last > first + 1
+    d = (np.bincount(server[mid] * (ranks + 1) + first[mid] + 1, None, ranks * (ranks + 1))
+         - np.bincount(server[mid] * (ranks + 1) + last[mid], None, ranks * (ranks + 1)))  # fmt: skip
+    out = out.reshape(ranks, ranks) + (d.reshape(ranks, ranks + 1)[:, :ranks].cumsum(axis=1) * T).T
+    return out
 
 
 def traffic(
@@ -275,9 +300,7 @@ def traffic(
     idx = np.nonzero(first)[0]
     kv_end = np.maximum.reduceat(end_k, idx) if idx.size else end_k[:0]
     lo, hi = layout.kv_intervals(doc_k[idx], kv_end)
-    ki, kh, krows = _split_rows(lo.reshape(-1), hi.reshape(-1), T)
-    kh = kh % ranks  # context rows: negative KV-space homes
-    kdst = server_k[idx][ki // 2]
+    lo, hi, kv_server = lo.reshape(-1), hi.reshape(-1), np.repeat(server_k[idx], 2)
 
     q_row, kv_row, lse_row = shape.q_row, shape.kv_row, shape.lse_row
     if mode == "resend":
@@ -286,18 +309,40 @@ def traffic(
         q_fwd_in, q_bwd_in, kv_bwd_in = q_row, q_row + lse_row, 0  # do (+ lse for the delta term)
     else:
         raise ValueError(f"mode must be 'resend' or 'keep', got {mode!r}")
-    # Contributions: (src, dst, fwd bytes, bwd bytes).
     qm = qh != qdst
-    km = kh != kdst
-    src = np.concatenate([qh[qm], qdst[qm], kh[km], kdst[km]])
-    dst = np.concatenate([qdst[qm], qh[qm], kdst[km], kh[km]])
-    qr, kr = qrows[qm], krows[km]
-    fwd = np.concatenate([qr * q_fwd_in, qr * (q_row + lse_row), kr * kv_row, kr * 0])
-    bwd = np.concatenate([qr * q_bwd_in, qr * q_row, kr * kv_bwd_in, kr * kv_row])
-    recv = np.bincount(qdst[qm], qr * q_fwd_in, ranks) + np.bincount(kdst[km], kr * kv_row, ranks)
+    qs, qd, qr = qh[qm], qdst[qm], qrows[qm]
+    # Contributions (src, dst, fwd bytes, bwd bytes) of the Q / O rows.
+    q_src, q_dst = np.concatenate([qs, qd]), np.concatenate([qd, qs])
+    q_fwd = np.concatenate([qr * q_fwd_in, qr * (q_row + lse_row)])
+    q_bwd = np.concatenate([qr * q_bwd_in, qr * q_row])
+    recv = np.bincount(qd, qr * q_fwd_in, ranks)
 
-    pair = src * ranks + dst
-    uniq, inv = np.unique(pair, return_inverse=True)
-    fwd_s = np.bincount(inv, fwd, uniq.size).astype(np.int64)
-    bwd_s = np.bincount(inv, bwd, uniq.size).astype(np.int64)
+    live = hi > lo
+    kv_pieces = int(((hi[live] - 1) // T - lo[live] // T + 1).sum())
+    if ranks * ranks <= _DENSE_FACTOR * (kv_pieces + q_src.size):
+        # Dense (e.g. one document across every rank): per-pair sums in an R x R array, and the
+        # KV prefixes' whole middle ranks added as ranges instead of expanded row by row.
+        kv = _kv_rows_dense(lo[live], hi[live], kv_server[live], T, ranks)  # [home, server]
+        np.fill_diagonal(kv, 0)  # rows a server holds cost nothing
+        recv = recv + kv.sum(axis=0) * kv_row
+        pair = q_src * ranks + q_dst
+        fwd_all = np.bincount(pair, q_fwd, ranks * ranks).reshape(ranks, ranks) + kv * kv_row
+        bwd_all = np.bincount(pair, q_bwd, ranks * ranks).reshape(ranks, ranks) + kv * kv_bwd_in + kv.T * kv_row
+        fwd_all, bwd_all = fwd_all.reshape(-1), bwd_all.reshape(-1)
+        # Every contribution has fwd + bwd > 0 (rows > 0, row bytes > 0), so the used bins are those.
+        uniq = np.nonzero(fwd_all + bwd_all)[0]
+        fwd_s, bwd_s = fwd_all[uniq].astype(np.int64), bwd_all[uniq].astype(np.int64)
+    else:
+        ki, kh, krows = _split_rows(lo, hi, T)
+        kh = kh % ranks  # context rows: negative KV-space homes
+        kdst = kv_server[ki]
+        km = kh != kdst
+        ks, kd, kr = kh[km], kdst[km], krows[km]
+        recv = recv + np.bincount(kd, kr * kv_row, ranks)
+        pair = np.concatenate([q_src, ks, kd]) * ranks + np.concatenate([q_dst, kd, ks])
+        fwd = np.concatenate([q_fwd, kr * kv_row, kr * 0])
+        bwd = np.concatenate([q_bwd, kr * kv_bwd_in, kr * kv_row])
+        uniq, inv = np.unique(pair, return_inverse=True)
+        fwd_s = np.bincount(inv, fwd, uniq.size).astype(np.int64)
+        bwd_s = np.bincount(inv, bwd, uniq.size).astype(np.int64)
     return Traffic(ranks, uniq // ranks, uniq % ranks, fwd_s, bwd_s, recv.astype(np.int64))

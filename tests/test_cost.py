@@ -3,7 +3,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from distca import MODEL_SHAPES, CostModel, ModelShape, causal_pairs, load_cost_model
+from distca import MODEL_SHAPES, CostModel, Layout, ModelShape, causal_pairs, cost, load_cost_model, plan
+from distca.doclens import load_doclens, sample_doclens
+from distca.layout import split_nano_batches
 
 
 def test_causal_pairs_brute_force():
@@ -47,3 +49,24 @@ def test_model_shapes():
         ModelShape(6, 4, 64)
     with pytest.raises(ValueError, match="head_dim must be a positive int"):
         ModelShape(4, 4, 0)
+
+
+@pytest.mark.parametrize("policy", ["distca", "colocated", "greedy"])
+@pytest.mark.parametrize("R,T,context", [(4, 2048, False), (8, 8192, True), (16, 4096, False), (64, 16384, True)])
+def test_traffic_dense_and_sparse_sums_agree(monkeypatch, policy, R, T, context):
+    """traffic() has two summing paths (dense R x R for one document across many ranks, sparse
+    otherwise): byte-identical results, with and without context rows (ping-pong's second half)."""
+    lay = Layout.from_doclens(sample_doclens(load_doclens("prolong"), R * T, seed=R), R, T)
+    if context:
+        lay = split_nano_batches(lay)[1]
+        assert lay.context
+    p = plan(lay, policy, cost_model="h200")
+    cols = [np.ascontiguousarray(p.tasks[:, k]) for k in range(4)]
+    got = []
+    for factor in (0, 1 << 60):  # never dense, always dense
+        monkeypatch.setattr(cost, "_DENSE_FACTOR", factor)
+        for mode in ("resend", "keep"):
+            t = cost.traffic(lay, *cols, p.shape, mode)
+            got.append(tuple(a.tobytes() for a in (t.src, t.dst, t.fwd, t.bwd, t.server_recv_fwd)))
+    assert got[0] == got[2] and got[1] == got[3]
+    assert got[0] != got[1]  # the modes differ, so the comparison has something to compare

@@ -135,7 +135,11 @@ class _Balancer:
         piece_t, free, small = self.piece_t, self.free, 0.25 * w
         for i in pieces:
             if piece_t[i] < small and cands:
-                continue  # a small piece: moving all of it has poor work per byte
+                # A small piece: moving all of it has poor work per byte. Pieces come heaviest
+                # first by their starting time, so after an uncut one, all are small.
+                if i not in free:
+                    break
+                continue
             ivs = free.get(i)  # self.intervals(i), inlined
             for k, (u, v) in enumerate(((self.starts[i], self.ends[i]),) if ivs is None else ivs):
                 # The score of cut()'s chunk, inlined without min-shard snapping:
