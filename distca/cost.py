@@ -317,12 +317,16 @@ def traffic(
     q_bwd = np.concatenate([qr * q_bwd_in, qr * q_row])
     recv = np.bincount(qd, qr * q_fwd_in, ranks)
 
-    live = hi > lo
-    kv_pieces = int(((hi[live] - 1) // T - lo[live] // T + 1).sum())
+    first, last = lo // T, (hi - 1) // T
+    # Drop empty intervals and those wholly on their server's own rank (most of them: a
+    # colocated task's prefix on its rank): they move nothing.
+    keep = (hi > lo) & ((first != last) | (first % ranks != kv_server))
+    lo, hi, kv_server = lo[keep], hi[keep], kv_server[keep]
+    kv_pieces = int((last[keep] - first[keep] + 1).sum())
     if ranks * ranks <= _DENSE_FACTOR * (kv_pieces + q_src.size):
         # Dense (e.g. one document across every rank): per-pair sums in an R x R array, and the
         # KV prefixes' whole middle ranks added as ranges instead of expanded row by row.
-        kv = _kv_rows_dense(lo[live], hi[live], kv_server[live], T, ranks)  # [home, server]
+        kv = _kv_rows_dense(lo, hi, kv_server, T, ranks)  # [home, server]
         np.fill_diagonal(kv, 0)  # rows a server holds cost nothing
         recv = recv + kv.sum(axis=0) * kv_row
         pair = q_src * ranks + q_dst

@@ -29,8 +29,45 @@ from distca import MODEL_SHAPES, POLICIES, Layout, plan
 from distca.doclens import load_doclens, sample_doclens
 
 
+SYNTHETIC = ("heavy_tail", "one_doc", "tiny_mix")
+
+
+def synthetic_batch(kind: str, total: int, seed: int = 0) -> np.ndarray:
+    """Document lengths (int64, summing to ``total``) of a batch shape the paper's two
+    distributions do not have:
+
+    - ``heavy_tail``: a code-repository-like mix: lognormal body (median 1.5K tokens), 3% of
+      documents from a Pareto tail (16K x (1 + Pareto(1.1))), capped at 1M tokens;
+    - ``one_doc``: one document of ``total`` tokens across every rank;
+    - ``tiny_mix``: 10% of the tokens in tiny documents (lognormal, median 48, 1-512 tokens), the
+      rest a Pretrain sample, shuffled together.
+    """
+    rng = np.random.default_rng(seed)
+    if kind == "heavy_tail":
+        n = total // 500
+        body = rng.lognormal(np.log(1500), 1.2, n)
+        tail = 16384 * (1 + rng.pareto(1.1, n))
+        lens = np.clip(np.where(rng.random(n) < 0.03, tail, body), 16, 1 << 20).astype(np.int64)
+    elif kind == "one_doc":
+        return np.array([total], dtype=np.int64)
+    elif kind == "tiny_mix":
+        tiny = np.clip(rng.lognormal(np.log(48), 0.8, total // 10 // 40), 1, 512).astype(np.int64)
+        rest = sample_doclens(load_doclens("pretrain"), total - int(tiny.sum()), seed=seed)
+        lens = np.concatenate([tiny, rest])
+        lens = lens[rng.permutation(lens.size)]
+    else:
+        raise ValueError(f"synthetic batch must be one of {list(SYNTHETIC)}, got {kind!r}")
+    cum = np.cumsum(lens)
+    n = int(np.searchsorted(cum, total)) + 1
+    out = lens[:n].copy()
+    out[-1] -= int(cum[n - 1]) - total
+    return out
+
+
 def build_layout(args: argparse.Namespace) -> Layout:
     total = args.ranks * args.tokens_per_rank
+    if args.synthetic:
+        return Layout.from_doclens(synthetic_batch(args.synthetic, total, args.seed), args.ranks, args.tokens_per_rank)
     if args.batch_file:
         lens = np.asarray(json.loads(Path(args.batch_file).read_text()), dtype=np.int64)
         if lens.sum() < total:
@@ -188,6 +225,7 @@ def parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--doclens", default="pretrain", help="pretrain, prolong, or a JSON list file to sample from")
     src.add_argument("--batch-file", help="JSON list of document lengths used in order, cut at ranks*tokens")
+    src.add_argument("--synthetic", choices=SYNTHETIC, help="a constructed batch (see synthetic_batch)")
     ap.add_argument("--upsample", type=int, default=4, help="repeat documents >= threshold this many times")
     ap.add_argument("--upsample-threshold", type=int, default=16384)
     ap.add_argument("--seed", type=int, default=0)
@@ -214,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows:
                 print(json.dumps(r))
         else:
-            print(f"{args.ranks} ranks x {args.tokens_per_rank} tokens, {rows[0]['docs']} docs, {args.doclens}, "
+            print(f"{args.ranks} ranks x {args.tokens_per_rank} tokens, {rows[0]['docs']} docs, {args.synthetic or args.doclens}, "
                   f"model {args.model}, cost model {args.cost_model}; plan ms: median of {args.repeats}")  # fmt: skip
             print(compare_table(rows))
         return 0
@@ -223,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(json.dumps(r))
     else:
-        src = args.batch_file or f"{args.doclens} (upsample x{args.upsample} >= {args.upsample_threshold}, seed {args.seed})"
+        src = args.batch_file or args.synthetic or f"{args.doclens} (upsample x{args.upsample} >= {args.upsample_threshold}, seed {args.seed})"
         print(f"{args.ranks} ranks x {args.tokens_per_rank} tokens, {rows[0]['docs']} docs from {src}, model {args.model}")
         print(table(rows))
     return 0

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_planner.py"
@@ -87,3 +88,29 @@ def test_compare_json(tmp_path):
     (row,) = [json.loads(line) for line in r.stdout.splitlines()]
     assert row["tolerance"] == 0.05 and row["lower_bound_max_server_bytes"] <= row["distca_max_server_bytes"]
     assert row["greedy_equal_balance_reached"] == (row["greedy_equal_balance_imbalance"] <= row["distca_imbalance"])
+
+
+@pytest.mark.parametrize("kind", ["heavy_tail", "one_doc", "tiny_mix"])
+def test_synthetic_batches(kind):
+    """The constructed batch shapes sum to the budget, have the shape they are named for, and plan
+    to within 2% of the mean (16 ranks x 16K: a min_shard chunk deep in a document is ~1% of a
+    server's load here, so the tolerance / 5 band is not always reachable; docs/planner.md)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from bench_planner import synthetic_batch
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    from distca import Layout, plan
+
+    total = 16 * 16384
+    lens = synthetic_batch(kind, total, seed=1)
+    assert lens.sum() == total and lens.min() >= 1
+    if kind == "heavy_tail":
+        assert lens.max() <= 1 << 20 and np.median(lens) < 4096 and lens.max() > 8 * np.median(lens)
+    elif kind == "one_doc":
+        assert lens.tolist() == [total]
+    else:
+        assert (lens <= 512).sum() > lens.size // 2  # most documents are tiny...
+        assert lens[lens <= 512].sum() < total // 4  # ...but hold few of the tokens
+    p = plan(Layout.from_doclens(lens, 16, 16384), tolerance=0.05, cost_model="h200")
+    assert p.imbalance <= 1.02

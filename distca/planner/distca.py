@@ -423,7 +423,9 @@ def assign(layout: Layout, opts: PlanOptions) -> Columns:
     """Move work off overloaded servers in few chunks, each cut where it is cheapest to move.
 
     Start from the colocated assignment (no Q or output traffic at all). Each
-    server above (1 + overload) * mean, largest first, sheds down to the mean.
+    server above (1 + overload) * mean, largest first, sheds down to just past the
+    mean (0.3 of the overload band; the mean, and with it every bound, is the current
+    one: moving work adds KV-read time, so it grows as the pass goes).
     Receivers are taken largest deficit first and get one chunk sized from the
     time model to fill them, so most get one task and one KV prefix per document.
     The chunk is cut from the donor's heaviest pieces where bytes per unit of
@@ -431,9 +433,9 @@ def assign(layout: Layout, opts: PlanOptions) -> Columns:
     so small chunks come from the middle of a document and large ones from its
     tail, instead of always the tail (the paper's head+tail middle split) or
     always whole documents. No shard is below ``min_shard`` unless its document
-    piece is shorter. Splitting adds per-task and KV-read time, so the mean
-    grows slightly; the pass repeats against the new mean, then lifts servers
-    still below (1 - tolerance) * mean from servers above the mean.
+    piece is shorter. A donor within a fifth of the band of its target is done.
+    Later passes (at most 4) mop up against receivers filled to 0.9 of the band,
+    then lift servers still below (1 - tolerance) * mean from servers above the mean.
     """
     cm, shape, tolerance, min_shard = opts.cost_model, opts.shape, opts.tolerance, opts.min_shard
     overload, capacity_bytes = tolerance / 5.0, opts.capacity_bytes
