@@ -215,11 +215,15 @@ def test_distca_with_min_shard_never_worse_than_colocated(lay):
     held = set(zip(lay.segments.doc.tolist(), lay.segments.start.tolist(), lay.segments.end.tolist()))
     for d, s, e, _ in ours.tasks.tolist():  # no cut below min_shard; pieces as the ranks hold them may be
         assert e - s >= ms_eff or lay.doc_lens[d] < ms_eff or (d, s, e) in held
-    # When balancing cannot beat colocated's modelled max load, the colocated plan is returned.
-    colo = plan(lay, "colocated")
-    assert ours.loads.max() <= colo.loads.max()
-    if ours.loads.max() == colo.loads.max():
-        assert ours.tasks.tobytes() == colo.tasks.tobytes() and ours.policy == "distca"
+    # When balancing cannot beat colocated's modelled max load, the colocated plan is returned;
+    # with a cost model that charges no bytes (h200) plan() decides without building it.
+    for cm in ("cpu", "h200"):
+        ours = plan(lay, "distca", min_shard=ms, cost_model=cm)
+        colo = plan(lay, "colocated", cost_model=cm)
+        assert ours.loads.max() <= colo.loads.max()
+        if ours.loads.max() == colo.loads.max():
+            assert ours.tasks.tobytes() == colo.tasks.tobytes() and ours.policy == "distca"
+            assert ours.traffic.total_bytes == colo.traffic.total_bytes
 
 
 def test_balancer_scalar_time_matches_cost_model():

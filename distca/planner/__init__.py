@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+import numpy as np
+
 from distca.cost import MODEL_SHAPES, CostModel, Mode, ModelShape, load_cost_model
 from distca.layout import Layout
 from distca.planner import capacity, colocated, distca, greedy, per_doc_cp, wlb_cp
@@ -116,8 +118,10 @@ def plan(
                        cp_degree)  # fmt: skip
     if policy != "distca":
         return build_plan(layout, policy, *_ASSIGN[policy](layout, opts), opts)
-    base = build_plan(layout, policy, *colocated.assign(layout), opts)
+    base_cols = colocated.assign(layout)
+    base = None
     if capacity_bytes is not None:
+        base = build_plan(layout, policy, *base_cols, opts)
         capacity.check_colocated(base, capacity_bytes)
         try:
             cols = distca.assign(layout, opts)
@@ -128,8 +132,16 @@ def plan(
     else:
         cols = distca.assign(layout, opts)
     p = build_plan(layout, policy, *cols, opts)
-    if p.loads.max() >= base.loads.max() or move_gain(base, p) <= 0.0:
-        return base
+    doc, start, end, server = base_cols
+    # The colocated plan's max load, as build_plan would compute it (its columns are sorted and
+    # unmerged, so the same sums in the same order): a plan that does not lower it keeps every
+    # row home, without building the colocated plan's traffic.
+    base_max = np.bincount(server, opts.cost_model.task_time(start, end), layout.ranks).max()
+    if p.loads.max() >= base_max or opts.cost_model.link_byte_s:  # no byte cost: a lower max is the gain
+        if base is None:
+            base = build_plan(layout, policy, *base_cols, opts)
+        if p.loads.max() >= base_max or move_gain(base, p) <= 0.0:
+            return base
     return p
 
 

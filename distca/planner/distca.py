@@ -47,27 +47,32 @@ class _Balancer:
         self.moved_from: list[tuple[int, int]] = []  # (piece, donor) of each moved chunk
         self.doc_recv: dict[int, list[int]] = {}  # servers that were given chunks of a document
         self.doc_recv_set: dict[int, set[int]] = {}  # the same, as sets
-        # Only a donor's heaviest pieces are worth cutting (their chunks have the
-        # most work per byte), and looking at few keeps planning fast. Eight, not
-        # four: when a deep piece's smallest chunk overshoots the band, a lighter
-        # piece must still be there to give.
-        # Each rank's pieces, heaviest first (ties in stream order): two stable sorts, by time
-        # then by rank (the order of np.lexsort((index, -time, rank)), faster); then split the
-        # ranks apart. The rest of each rank's pieces are sliced when asked for (_rest_pieces).
-        order = np.argsort(-seg_time, kind="stable")
-        rk = s.rank[order]
-        # Ranks fit in int16 up to 32K servers, where numpy's stable sort is a radix sort (10x faster).
-        order = order[np.argsort(rk.astype(np.int16) if self.R <= 1 << 15 else rk, kind="stable")]
-        self._rank_start = np.searchsorted(s.rank[order], np.arange(self.R + 1)).tolist()
-        self._ranked = order.tolist()
-        self.top_pieces = [self._ranked[a : min(a + 8, b)] for a, b in zip(self._rank_start[:-1], self._rank_start[1:])]
+        # Each rank's pieces are a contiguous run in stream order; they are ranked (heaviest first,
+        # ties in stream order) only for ranks that donate (:meth:`_ranked`).
+        self._rank_start = np.searchsorted(s.rank, np.arange(self.R + 1)).tolist()
+        self._seg_time = seg_time
+        self._by_weight: dict[int, list[int]] = {}
         self.inbound = None if capacity is None else Inbound(layout, shape, capacity, s.rank, s.doc, s.start, s.end)
         """``capacity_bytes``' ledger (None: unbounded); raises CapacityError if the start already exceeds it."""
 
+    def _ranked(self, r: int) -> list[int]:
+        """Rank r's starting pieces, heaviest first (ties in stream order)."""
+        got = self._by_weight.get(r)
+        if got is None:
+            a, b = self._rank_start[r], self._rank_start[r + 1]
+            got = self._by_weight[r] = (a + np.argsort(-self._seg_time[a:b], kind="stable")).tolist()
+        return got
+
+    def top_pieces(self, r: int) -> list[int]:
+        """Rank r's eight heaviest pieces: only a donor's heaviest pieces are worth cutting (their
+        chunks have the most work per byte), and looking at few keeps planning fast. Eight, not
+        four: when a deep piece's smallest chunk overshoots the band, a lighter piece must still
+        be there to give."""
+        return self._ranked(r)[:8]
+
     def _rest_pieces(self, r: int) -> list[int]:
         """Rank r's pieces after its eight heaviest, heaviest first."""
-        a, b = self._rank_start[r], self._rank_start[r + 1]
-        return self._ranked[min(a + 8, b) : b]
+        return self._ranked(r)[8:]
 
     def t(self, a: int, b: int) -> float:
         """CostModel.task_time for Python ints, without numpy's per-call overhead."""
@@ -232,7 +237,7 @@ class _Balancer:
             if not heap and (load[d] <= mean * (1.0 + overload) or up >= opened):
                 continue  # nowhere to shed to, and no mop-up to open
             active.discard(d)
-            pieces = self.top_pieces[d]
+            pieces = self.top_pieces(d)
             if not pieces:
                 continue  # its load is work it received; received chunks are not re-cut
             parked: list[int] = []
