@@ -9,8 +9,10 @@ and measurement side by side:
     python scripts/validate_simulator.py RUN.jsonl --json          # one object per (run, config)
     python scripts/validate_simulator.py RUN.jsonl --attention-model packaged   # the planner's model
 
-The step model is the simulator's (``scripts/simulate.py``, ``step_time`` with ``sync="layer"``),
-with the CPU machine's numbers in place of the H200 cluster's:
+The step model has the simulator's structure (``scripts/simulate.py``: per-rank attention from the
+plans' loads under a CA cost model, transport charged per byte, every layer waiting for its slowest
+rank, ``sync="layer"``), with numbers measured on the CPU machine in place of the H200 cluster's
+constants:
 
 - **attention** (forward + backward, per rank and layer): the modelled load of the rank's tasks
   under a CA cost model x (1 + ``bwd_factor``). ``--attention-model shape`` (default) uses a
@@ -182,6 +184,10 @@ def table(rows: list[dict]) -> str:
             f"{r.get('predicted_speedup', float('nan')):>6.3f} | {max(r['measured_attention_s_per_rank']):>15.3f} "
             f"{max(r['predicted_attention_s_per_rank']):>6.3f} {max(r['predicted_transport_s_per_rank']):>9.3f}"
         )
+    errs = [abs(r["error"]) for r in rows]
+    sp = [abs(r["predicted_speedup"] / r["measured_speedup"] - 1.0) for r in rows if r["config"] != "off" and "measured_speedup" in r]
+    lines.append(f"step time error: median {statistics.median(errs):.1%}, max {max(errs):.1%}; "
+                 f"speedup error (configurations against off): median {statistics.median(sp):.1%}, max {max(sp):.1%}")  # fmt: skip
     return "\n".join(lines)
 
 
