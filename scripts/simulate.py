@@ -68,6 +68,15 @@ COST_MODEL = "h200"
 to forward + backward kernel times measured on one H200 (``docs/gpu.md``). Backward =
 ``bwd_factor`` x forward."""
 
+HBM_BYTES = 141e9
+"""Bytes of HBM per H200 GPU (NVIDIA datasheet: 141 GB)."""
+
+ACT_BYTES_PER_TOKEN_HIDDEN = 34
+"""Activation bytes per layer per token per hidden unit kept for the backward, over the TP degree:
+34 s h / t with sequence parallelism and selective recomputation (Korthikanti et al., "Reducing
+Activation Recomputation in Large Transformer Models", 2022, bf16; FlashAttention keeps no s^2
+term). An estimate: the paper's runs may store less."""
+
 TP_COLLECTIVES_PER_LAYER = 4
 """Megatron sequence-parallel TP collectives per layer and direction: all-gather before QKV and
 before the MLP, reduce-scatter after O and after the MLP."""
@@ -231,6 +240,28 @@ def _phase(lin, attn, disp, ret, pingpong: bool):
         + np.maximum(h * attn, h * ret)
         + np.maximum(h * lin, h * ret)
     )
+
+
+def memory_per_gpu(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int = 1) -> dict:
+    """Estimated peak bytes per GPU of one step (no CA buffers): activations of ``in_flight``
+    micro-batches of ``tokens`` tokens per TP group over the stage's layers
+    (``ACT_BYTES_PER_TOKEN_HIDDEN`` s h / t per layer), plus model states with Megatron's
+    distributed optimizer: bf16 parameters and gradients (4 bytes / parameter) sharded over TP x PP,
+    fp32 master weights and Adam moments (12 bytes / parameter) also over DP.
+
+    Returns ``activation_gib``, ``model_state_gib``, ``memory_gib`` and ``fits_memory`` (total
+    <= ``HBM_BYTES``).
+    """
+    layers = arch.layers / pp
+    act = ACT_BYTES_PER_TOKEN_HIDDEN * tokens * arch.hidden / TP * layers * in_flight
+    states = arch.params * (4.0 / (TP * pp) + 12.0 / (TP * pp * dp))
+    gib = float(1 << 30)
+    return {
+        "activation_gib": act / gib,
+        "model_state_gib": states / gib,
+        "memory_gib": (act + states) / gib,
+        "fits_memory": bool(act + states <= HBM_BYTES),
+    }
 
 
 def linear_fwd_s(arch: Arch, tokens: int, hw: Hardware) -> float:
@@ -448,6 +479,7 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
             "imbalance": float(np.mean([i[2].max() / i[2].mean() for i in items])),
             "max_gpu_fwd_bytes": float(np.mean([i[1].fwd_bytes_gpu.max() for i in items])),
             "plan_ms": float(np.mean([i[3] for i in items])),
+            **memory_per_gpu(arch, ctx, R),
             "settings": settings,
         }
         if policy == "wlb_cp":
@@ -730,6 +762,7 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
             "tick_spread": float(np.mean([x.tick_spread for x in sts])),
             "tick_spread_all": float(np.mean([x.tick_spread_all for x in sts])),
             "imbalance": float(np.mean([i[1] for i in items])), "plan_ms": float(np.mean([i[2] for i in items])),
+            **memory_per_gpu(arch, ctx, DP, pp, mb),  # GPipe: all M micro-batches' activations at the peak
             "settings": settings,
         }  # fmt: skip
         if policy in TICK_POLICIES:
@@ -776,13 +809,17 @@ def table(rows: list[dict]) -> str:
         model, dist, pp, gpus, ctx = key
         cells = " ".join(f"{g[p]['step_s']:>10.2f}" if p in g else f"{'-':>10}" for p in pols)
         d = g.get("distca", {})
+        oom = "" if d.get("fits_memory", True) else f"  !mem {d['memory_gib']:.0f} GiB"
         sp = lambda base: _fmt(d.get(f"speedup_vs_{base}"))
         lines.append(
             f"{model:<10} {dist:<8} {gpus:>4} {_k(ctx):>4} {'on' if pp else 'off':>3} | {cells} | "
             f"{g.get('wlb_cp', {}).get('cp', '-')!s:>3} | {sp('per_doc_cp'):>6} {sp('wlb_cp'):>6} "
-            f"{sp('colocated'):>7} {sp('wlb_cp_no_pp'):>6} | {_fmt(d.get('plan_ms'), '.1f'):>7}"
+            f"{sp('colocated'):>7} {sp('wlb_cp_no_pp'):>6} | {_fmt(d.get('plan_ms'), '.1f'):>7}{oom}"
         )
     notes = sorted({f"{r['policy']}: {r['note']}" for r in rows if "note" in r})
+    if any(not r.get("fits_memory", True) for r in rows):
+        notes.append(f"!mem: estimated peak memory per GPU above {HBM_BYTES / 1e9:.0f} GB (memory_per_gpu: "
+                     "selective recomputation assumed); that step would need full recomputation or PP")  # fmt: skip
     return "\n".join(lines + [f"note: {n}" for n in notes])
 
 
@@ -806,17 +843,19 @@ def summary(rows: list[dict]) -> str:
     for model, dist, ctx in sorted({k[:3] for k in sel}):
         cells = []
         for _, pp, base in cols:
-            v = [
-                r[f"speedup_vs_{base}"]
-                for k, r in sel.items()
-                if k[:3] == (model, dist, ctx) and k[4] == pp and r.get(f"speedup_vs_{base}")
+            rs = [
+                r for k, r in sel.items() if k[:3] == (model, dist, ctx) and k[4] == pp and r.get(f"speedup_vs_{base}")
             ]
-            cells.append(f"{min(v):.2f}-{max(v):.2f}" if v else "-")
+            v = [r[f"speedup_vs_{base}"] for r in rs]
+            oom = "!" if any(not r.get("fits_memory", True) for r in rs) else ""
+            cells.append(f"{min(v):.2f}-{max(v):.2f}{oom}" if v else "-")
         p3, p4 = PAPER_3D[dist], PAPER_4D[(model, dist)]
         out.append(
             f"{model:<10} {dist:<8} {_k(ctx):>4} | " + " ".join(f"{c:>14}" for c in cells)
             + f" | {p3[0]:.2f}-{p3[1]:.2f} | <= {p4[1]:.2f}"
         )
+    if any(not r.get("fits_memory", True) for r in sel.values()):
+        out.append("! includes configurations whose estimated memory per GPU exceeds the HBM (see the table's !mem)")
     return "\n".join(out)
 
 
@@ -852,7 +891,11 @@ def pp_table(rows: list[dict]) -> str:
             f"{any_r['bubble']:>6.3f} | {two('tick_spread', '.2f'):>11} {two('idle_frac', '.2f'):>11} | "
             f"{sp('wlb_cp'):>5} {sp('wlb_cp_no_pp'):>6} {sp('colocated'):>7} {sp('distca_stage'):>7} | "
             f"{_fmt(gap, '.3f'):>6} {_fmt(d.get('plan_ms'), '.1f'):>7}"
+            + ("" if any_r.get("fits_memory", True) else f"  !mem {any_r['memory_gib']:.0f} GiB")
         )
+    if any(not r.get("fits_memory", True) for r in rows):
+        lines.append(f"!mem: estimated peak memory per GPU above {HBM_BYTES / 1e9:.0f} GB (GPipe holds all M "
+                     "micro-batches' activations; selective recomputation assumed)")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -296,3 +296,24 @@ def test_pp_rows_cad_spreads_ticks_and_beats_colocated(quick_pp):
 def test_pp_cli_rejects_bad_stage_count():
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
         simulate.main(["--pp", "3", "--gpus", "64", "--no-plot"])  # 8 CA ranks are not divisible by 3
+
+
+def test_memory_estimate_marks_what_does_not_fit(quick):
+    """memory_per_gpu is 34 s h / t bytes per layer of activations plus sharded model states, and it
+    marks the configurations a 141 GB GPU cannot hold."""
+    a8, a34 = simulate.ARCHS["llama3-8b"], simulate.ARCHS["llama3-34b"]
+    m = simulate.memory_per_gpu(a8, 131072, dp=8)
+    act = 34 * 131072 * 4096 / 8 * 32
+    states = a8.params * (4 / 8 + 12 / 64)
+    assert m["activation_gib"] * 2**30 == pytest.approx(act) and m["model_state_gib"] * 2**30 == pytest.approx(states)
+    assert m["fits_memory"] and m["memory_gib"] * 2**30 == pytest.approx(act + states)
+    assert not simulate.memory_per_gpu(a8, 262144, dp=8)["fits_memory"]  # 8B at 256K per node
+    assert not simulate.memory_per_gpu(a34, 131072, dp=8)["fits_memory"]  # 34B at 128K per node
+    # PP: a stage holds L / P layers, but GPipe keeps all M micro-batches' activations.
+    pp = simulate.memory_per_gpu(a8, 131072, dp=2, pp=4, in_flight=8)
+    assert pp["activation_gib"] == pytest.approx(m["activation_gib"] / 4 * 8)
+    rows, _ = quick  # 8B at 128K: every row fits, and the tables have no memory mark
+    assert all(r["fits_memory"] for r in rows if "step_s" in r)
+    assert "!mem" not in simulate.table(rows) and "!" not in simulate.summary(rows)
+    big = [{**r, "fits_memory": False, "memory_gib": 200.0} for r in rows]
+    assert "!mem 200 GiB" in simulate.table(big) and "!" in simulate.summary(big)
