@@ -91,11 +91,12 @@ PAPER_4D = {
     ("llama3-34b", "prolong"): (1.0, 1.25),
 }
 
-POLICIES = ("colocated", "per_doc_cp", "wlb_cp", "greedy", "distca")
-"""Planner policies. ``wlb_cp`` is the stand-in for the paper's WLB-ideal baseline: the planner's
-per-document CP inside CP groups of c ranks (DP = R / c), with c the best power of two for the
-step time here (the paper grid-searches DP x CP), costed with tokens re-sharded so only K and V
-move. See :func:`wlb_cp`."""
+POLICIES = ("colocated", "per_doc_cp", "wlb_cp", "wlb_ideal", "greedy", "distca")
+"""Policies. ``wlb_cp``: the planner's per-document CP inside CP groups of c ranks (DP = R / c),
+with c the best power of two for the step time here (the paper grid-searches DP x CP), costed with
+tokens re-sharded so only K and V move (:func:`wlb_cp`). ``wlb_ideal``: the paper's WLB-ideal
+baseline, WLB-LLM's variable-length packing of whole documents across the DP groups (no deferred
+documents) plus per-document CP inside each group, c grid-searched (:func:`wlb_ideal_step`)."""
 
 
 @dataclass(frozen=True)
@@ -388,6 +389,63 @@ def wlb_costs(loads: np.ndarray, ag_bytes: np.ndarray, c: int, hw: Hardware) -> 
     return RankCosts(loads / TP, t, zero, t, t, np.arange(R) // c, 2 * per_gpu)
 
 
+WLB_TOKEN_CAP = 2.0
+"""``wlb_ideal``'s packing bound: a DP group of c ranks takes at most this x c x context tokens
+(variable-length packing trades tokens for attention; the cap stands for the memory that bounds it
+in WLB-LLM)."""
+
+
+def wlb_pack(doc_lens: np.ndarray, groups: int, c: int, ctx: int, arch: Arch, cm, hw: Hardware) -> list[list[int]]:
+    """WLB-LLM's variable-length packing, ideal (no deferred documents): whole documents to ``groups``
+    DP groups of ``c`` ranks, longest processing time first: each document, heaviest first, goes to
+    the group with the least modelled work so far (linear seconds per token times its tokens, plus
+    its causal attention forward + backward, per layer), among those with room under
+    ``WLB_TOKEN_CAP`` x c x ctx tokens (else the one with the most room). Returns document lengths
+    per group."""
+    lin_tok = 3.0 * linear_fwd_s(arch, 1, hw)  # forward + backward of one token's linear layers
+    lens = np.asarray(doc_lens, dtype=np.int64)
+    work = lin_tok * lens / TP + cm.task_time(np.zeros_like(lens), lens) * (1.0 + cm.bwd_factor) / TP
+    cap = WLB_TOKEN_CAP * c * ctx
+    load, tokens = np.zeros(groups), np.zeros(groups)
+    out: list[list[int]] = [[] for _ in range(groups)]
+    for i in np.argsort(-work, kind="stable").tolist():
+        ok = tokens + lens[i] <= cap
+        g = int(np.argmin(np.where(ok, load, np.inf))) if ok.any() else int(np.argmin(tokens))
+        out[g].append(int(lens[i]))
+        load[g] += work[i]
+        tokens[g] += lens[i]
+    return out
+
+
+def wlb_ideal_step(layout: Layout, c: int, arch: Arch, ctx: int, shape, cm, hw: Hardware, sync: str, tolerance: float):
+    """The WLB-ideal baseline at CP degree ``c``: :func:`wlb_pack` over the batch's whole documents,
+    then per-document head-tail CP inside each group (:func:`wlb_cp` on the group's own layout), each
+    group's linear layers on the tokens it was given. Returns ({pingpong: (StepTime, RankCosts) of
+    the slowest group}, per-rank loads of all groups, plan seconds)."""
+    groups = layout.ranks // c
+    real = np.setdiff1d(np.arange(layout.num_docs), np.asarray(layout.padding, dtype=np.int64))
+    packs = wlb_pack(layout.doc_lens[real], groups, c, ctx, arch, cm, hw)
+    best: dict[bool, tuple] = {}
+    loads_all, plan_s = [], 0.0
+    for lens in packs:
+        if not lens:
+            continue
+        tok = int(sum(lens))
+        T = -(-tok // c)
+        pad = c * T - tok
+        glay = Layout(tuple(np.concatenate([[0], np.cumsum(lens + ([pad] if pad else []))]).tolist()), c, T,
+                      padding=(len(lens),) if pad else ())  # fmt: skip
+        _, loads, ag, ps = wlb_cp(glay, c, shape, cm, tolerance)
+        rc = wlb_costs(loads, ag, c, hw)
+        plan_s += ps
+        loads_all.append(loads)
+        for pp in (False, True):
+            st = step_time(rc, arch, T, cm.bwd_factor, pp, sync, hw)
+            if pp not in best or st.step_s > best[pp][0].step_s:
+                best[pp] = (st, rc)
+    return best, np.concatenate(loads_all), plan_s
+
+
 def _add_speedups(rows: list[dict], bases: tuple[str, ...]) -> None:
     """``speedup_vs_<base>`` (same ping-pong setting) and ``speedup_vs_wlb_cp_no_pp`` on each row of
     one configuration, as ratios of mean step times; None where the base did not run."""
@@ -418,6 +476,16 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
                 lim = slow.get(policy)
                 if lim is not None and size >= lim:
                     notes[policy] = f"skipped at >= {lim} tokens per group: one plan took > {args.max_plan_s} s"
+                    continue
+                if policy == "wlb_ideal":
+                    best = {}
+                    for c in cps:
+                        by_pp, loads, ps = wlb_ideal_step(lay, c, arch, ctx, shape, cm, hw, args.sync, args.tolerance)
+                        for pp, (st, rc) in by_pp.items():
+                            if pp not in best or st.step_s < best[pp][0].step_s:
+                                best[pp] = (st, rc, loads, ps, c)
+                    for pp, (st, rc, loads, ps, c) in best.items():
+                        acc.setdefault((policy, pp), []).append((st, rc, loads, ps * 1e3, {"cp": c}))
                     continue
                 if policy == "wlb_cp":
                     best: dict[bool, tuple] = {}  # pingpong -> (StepTime, RankCosts, loads, plan s, c)
@@ -482,14 +550,14 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
             **memory_per_gpu(arch, ctx, R),
             "settings": settings,
         }
-        if policy == "wlb_cp":
+        if policy in ("wlb_cp", "wlb_ideal"):
             cs = [i[4]["cp"] for i in items]
             row["cp"] = max(sorted(set(cs)), key=cs.count)
         else:
             row["tasks"] = float(np.mean([i[4]["tasks"] for i in items]))
         rows.append(row)
     # Speedups are ratios of mean step times (the paper averages batches).
-    _add_speedups(rows, ("per_doc_cp", "wlb_cp", "colocated"))
+    _add_speedups(rows, ("per_doc_cp", "wlb_cp", "wlb_ideal", "colocated"))
     for r in rows:
         r["paper_3d_vs_wlb"] = list(PAPER_3D[dist])
         r["paper_4d_vs_wlb"] = list(PAPER_4D[(model, dist)])
@@ -801,7 +869,7 @@ def table(rows: list[dict]) -> str:
     head = (
         f"{'model':<10} {'doclens':<8} {'gpus':>4} {'ctx':>4} {'pp':>3} | "
         + " ".join(f"{p:>10}" for p in pols)
-        + f" | {'cp':>3} | {'x pdcp':>6} {'x wlb':>6} {'x coloc':>7} {'x wlb0':>6} | {'plan ms':>7}"
+        + f" | {'cp':>3} | {'x pdcp':>6} {'x wlb':>6} {'x wlbi':>6} {'x coloc':>7} {'x wlb0':>6} | {'plan ms':>7}"
     )
     lines = [head, "-" * len(head)]
     for key in sorted(groups):
@@ -813,7 +881,7 @@ def table(rows: list[dict]) -> str:
         sp = lambda base: _fmt(d.get(f"speedup_vs_{base}"))
         lines.append(
             f"{model:<10} {dist:<8} {gpus:>4} {_k(ctx):>4} {'on' if pp else 'off':>3} | {cells} | "
-            f"{g.get('wlb_cp', {}).get('cp', '-')!s:>3} | {sp('per_doc_cp'):>6} {sp('wlb_cp'):>6} "
+            f"{g.get('wlb_cp', {}).get('cp', '-')!s:>3} | {sp('per_doc_cp'):>6} {sp('wlb_cp'):>6} {sp('wlb_ideal'):>6} "
             f"{sp('colocated'):>7} {sp('wlb_cp_no_pp'):>6} | {_fmt(d.get('plan_ms'), '.1f'):>7}{oom}"
         )
     notes = sorted({f"{r['policy']}: {r['note']}" for r in rows if "note" in r})
@@ -833,6 +901,7 @@ def summary(rows: list[dict]) -> str:
     cols = [
         ("pp vs wlb0", True, "wlb_cp_no_pp"),
         ("pp vs wlb pp", True, "wlb_cp"),
+        ("pp vs wlbi pp", True, "wlb_ideal"),
         ("off vs wlb off", False, "wlb_cp"),
         ("pp vs pdcp pp", True, "per_doc_cp"),
         ("pp vs coloc pp", True, "colocated"),
@@ -1100,7 +1169,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             "step seconds per policy (pp = ping-pong overlap); cp = wlb_cp's best CP degree; x = distca's speedup\n"
-            "vs per_doc_cp, wlb_cp and colocated in the same pp setting; x wlb0 = vs wlb_cp without overlap\n"
+            "vs per_doc_cp, wlb_cp, wlb_ideal (wlbi: variable-length packing + per-document CP) and colocated in\n"
+            "the same pp setting; x wlb0 = vs wlb_cp without overlap\n"
         )
         print(table(rows))
         print()

@@ -317,3 +317,41 @@ def test_memory_estimate_marks_what_does_not_fit(quick):
     assert "!mem" not in simulate.table(rows) and "!" not in simulate.summary(rows)
     big = [{**r, "fits_memory": False, "memory_gib": 200.0} for r in rows]
     assert "!mem 200 GiB" in simulate.table(big) and "!" in simulate.summary(big)
+
+
+def test_wlb_pack_places_every_document_once_and_balances_work():
+    arch, shape = simulate.ARCHS["llama3-8b"], MODEL_SHAPES["llama3-8b"]
+    cm = load_cost_model("h200").for_shape(shape)
+    hw = simulate.Hardware()
+    rng = np.random.default_rng(0)
+    small = rng.integers(100, 3000, 400)
+    small = small[: int(np.searchsorted(np.cumsum(small), 4 * 2 * 32768 - 21000))]
+    lens = np.concatenate([small, [12000, 9000]])  # fewer tokens than the batch holds
+    packs = simulate.wlb_pack(lens, groups=4, c=2, ctx=32768, arch=arch, cm=cm, hw=hw)
+    assert sorted(x for p in packs for x in p) == sorted(lens.tolist())
+    assert all(sum(p) <= simulate.WLB_TOKEN_CAP * 2 * 32768 for p in packs)
+    work = lambda p: sum(3 * simulate.linear_fwd_s(arch, 1, hw) * d + float(cm.task_time(0, d)) * (1 + cm.bwd_factor) for d in p)  # noqa: E731
+    w = [work(p) for p in packs]
+    assert max(w) / np.mean(w) < 1.02  # many small documents: LPT evens the groups out
+    # Tokens are what varlen packing trades: the groups holding the long documents hold fewer tokens.
+    toks = [sum(p) for p in packs]
+    assert max(toks) > 1.05 * min(toks)
+
+
+def test_wlb_ideal_beats_wlb_cp_on_a_skewed_batch_and_equals_per_doc_cp_costs_at_one_group():
+    arch, shape = simulate.ARCHS["llama3-8b"], MODEL_SHAPES["llama3-8b"]
+    cm = load_cost_model("h200").for_shape(shape)
+    hw = simulate.Hardware()
+    T = 32768
+    # Two documents of 1.5 T: with fixed budgets each shares its CP group of 2 with short documents;
+    # variable-length packing gives those groups nothing else and the short ones go elsewhere.
+    lay = Layout.from_doclens([3 * T // 2, 3 * T // 2] + [1024] * (5 * T // 1024), 8, T)
+    ideal = simulate.wlb_ideal_step(lay, 2, arch, T, shape, cm, hw, "step", 0.05)[0][False][0]
+    _, loads, ag, _ = simulate.wlb_cp(lay, 2, shape, cm, 0.05)
+    cp = simulate.step_time(simulate.wlb_costs(loads, ag, 2, hw), arch, T, cm.bwd_factor, False, "step", hw)
+    assert ideal.step_s < cp.step_s and ideal.linear_s < cp.linear_s
+    # c = R: one group holding every document is per-document CP over the whole batch.
+    one = simulate.wlb_ideal_step(lay, 8, arch, T, shape, cm, hw, "step", 0.05)[0][False][0]
+    _, loads, ag, _ = simulate.wlb_cp(lay, 8, shape, cm, 0.05)
+    full = simulate.step_time(simulate.wlb_costs(loads, ag, 8, hw), arch, T, cm.bwd_factor, False, "step", hw)
+    assert one.step_s == pytest.approx(full.step_s, rel=0.02)
