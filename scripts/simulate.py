@@ -446,16 +446,28 @@ def wlb_ideal_step(layout: Layout, c: int, arch: Arch, ctx: int, shape, cm, hw: 
     return best, np.concatenate(loads_all), plan_s
 
 
+def _ratio_ci95(base: list[float], ours: list[float], n: int = 1000) -> list[float] | None:
+    """95% interval of mean(base) / mean(ours) by a paired bootstrap over seeds (both lists are
+    per seed, the same batches); None for fewer than 3 seeds. Deterministic (fixed generator)."""
+    b, o = np.asarray(base, dtype=np.float64), np.asarray(ours, dtype=np.float64)
+    if b.size < 3 or b.size != o.size:
+        return None
+    idx = np.random.default_rng(0).integers(0, b.size, (n, b.size))
+    r = b[idx].mean(axis=1) / o[idx].mean(axis=1)
+    return [round(float(x), 4) for x in np.percentile(r, [2.5, 97.5])]
+
+
 def _add_speedups(rows: list[dict], bases: tuple[str, ...]) -> None:
     """``speedup_vs_<base>`` (same ping-pong setting) and ``speedup_vs_wlb_cp_no_pp`` on each row of
-    one configuration, as ratios of mean step times; None where the base did not run."""
+    one configuration, as ratios of mean step times (None where the base did not run), each with
+    ``..._ci95``: its 95% interval over seeds (:func:`_ratio_ci95`)."""
     by = {(r["policy"], r["pingpong"]): r for r in rows}
     for r in rows:
-        for base in bases:
-            b = by.get((base, r["pingpong"]))
-            r[f"speedup_vs_{base}"] = round(b["step_s"] / r["step_s"], 4) if b else None
-        b = by.get(("wlb_cp", False))
-        r["speedup_vs_wlb_cp_no_pp"] = round(b["step_s"] / r["step_s"], 4) if b else None
+        pairs = [(f"speedup_vs_{base}", by.get((base, r["pingpong"]))) for base in bases]
+        pairs.append(("speedup_vs_wlb_cp_no_pp", by.get(("wlb_cp", False))))
+        for key, b in pairs:
+            r[key] = round(b["step_s"] / r["step_s"], 4) if b else None
+            r[key + "_ci95"] = _ratio_ci95(b["step_s_seeds"], r["step_s_seeds"]) if b and "step_s_seeds" in r else None
 
 
 def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict) -> list[dict]:
@@ -540,6 +552,7 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
             "seeds": len(step),
             "step_s": float(np.mean(step)),
             "step_s_std": float(np.std(step)),
+            "step_s_seeds": [float(x) for x in step],
             "linear_s": float(np.mean([x.linear_s for x in sts])) * mb,
             "attn_s": float(np.mean([x.attn_s for x in sts])) * mb,
             "comm_s": float(np.mean([x.comm_s for x in sts])) * mb,
@@ -825,6 +838,7 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
             "tokens_per_step": mb * DP * ctx, "policy": policy, "pingpong": ppg,
             "schedule": "tick" if policy in TICK_POLICIES else "gpipe", "seeds": len(sts),
             "step_s": float(np.mean([x.step_s for x in sts])), "step_s_std": float(np.std([x.step_s for x in sts])),
+            "step_s_seeds": [float(x.step_s) for x in sts],
             "bubble": bubble_fraction(pp, mb), "p2p_s": p2p,
             "idle_frac": float(np.mean([x.idle_frac for x in sts])),
             "tick_spread": float(np.mean([x.tick_spread for x in sts])),

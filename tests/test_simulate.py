@@ -355,3 +355,16 @@ def test_wlb_ideal_beats_wlb_cp_on_a_skewed_batch_and_equals_per_doc_cp_costs_at
     _, loads, ag, _ = simulate.wlb_cp(lay, 8, shape, cm, 0.05)
     full = simulate.step_time(simulate.wlb_costs(loads, ag, 8, hw), arch, T, cm.bwd_factor, False, "step", hw)
     assert one.step_s == pytest.approx(full.step_s, rel=0.02)
+
+
+def test_speedup_intervals_are_paired_bootstraps_over_seeds(quick):
+    assert simulate._ratio_ci95([2.0] * 5, [1.0] * 5) == [2.0, 2.0]
+    rng = np.random.default_rng(1)
+    ours = rng.uniform(1.0, 2.0, 30)
+    base = ours * 1.2 + rng.normal(0, 0.05, 30)
+    lo, hi = simulate._ratio_ci95(base.tolist(), ours.tolist())
+    assert lo < base.mean() / ours.mean() < hi and hi - lo < 0.1  # paired: the batches' spread cancels
+    assert simulate._ratio_ci95([1.0, 2.0], [1.0, 2.0]) is None  # too few seeds
+    rows, _ = quick  # 2 seeds: the fields are there, without an interval
+    d = next(r for r in rows if r["policy"] == "distca")
+    assert len(d["step_s_seeds"]) == 2 and d["speedup_vs_wlb_ideal_ci95"] is None
