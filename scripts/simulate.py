@@ -26,6 +26,7 @@ the field says ``step``.
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import math
 import sys
@@ -406,14 +407,24 @@ def wlb_pack(doc_lens: np.ndarray, groups: int, c: int, ctx: int, arch: Arch, cm
     lens = np.asarray(doc_lens, dtype=np.int64)
     work = lin_tok * lens / TP + cm.task_time(np.zeros_like(lens), lens) * (1.0 + cm.bwd_factor) / TP
     cap = WLB_TOKEN_CAP * c * ctx
-    load, tokens = np.zeros(groups), np.zeros(groups)
+    tokens = [0] * groups
+    heap = [(0.0, g) for g in range(groups)]  # (work so far, group): least work first
     out: list[list[int]] = [[] for _ in range(groups)]
+    ln, wk = lens.tolist(), work.tolist()
     for i in np.argsort(-work, kind="stable").tolist():
-        ok = tokens + lens[i] <= cap
-        g = int(np.argmin(np.where(ok, load, np.inf))) if ok.any() else int(np.argmin(tokens))
-        out[g].append(int(lens[i]))
-        load[g] += work[i]
-        tokens[g] += lens[i]
+        full = []
+        while heap and tokens[heap[0][1]] + ln[i] > cap:
+            full.append(heapq.heappop(heap))
+        if heap:
+            w, g = heapq.heappop(heap)
+        else:  # no group has room: the one with the most
+            k = min(range(len(full)), key=lambda j: (tokens[full[j][1]], full[j][1]))
+            w, g = full.pop(k)
+        out[g].append(ln[i])
+        tokens[g] += ln[i]
+        heapq.heappush(heap, (w + wk[i], g))
+        for x in full:
+            heapq.heappush(heap, x)
     return out
 
 
