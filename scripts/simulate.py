@@ -29,6 +29,7 @@ import argparse
 import heapq
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -476,6 +477,7 @@ def _add_speedups(rows: list[dict], bases: tuple[str, ...]) -> None:
     for r in rows:
         pairs = [(f"speedup_vs_{base}", by.get((base, r["pingpong"]))) for base in bases]
         pairs.append(("speedup_vs_wlb_cp_no_pp", by.get(("wlb_cp", False))))
+        pairs.append(("speedup_vs_wlb_ideal_no_pp", by.get(("wlb_ideal", False))))
         for key, b in pairs:
             r[key] = round(b["step_s"] / r["step_s"], 4) if b else None
             r[key + "_ci95"] = _ratio_ci95(b["step_s_seeds"], r["step_s_seeds"]) if b and "step_s_seeds" in r else None
@@ -953,6 +955,34 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def paper_table(rows: list[dict]) -> str:
+    """Side by side per (model, doclens, GPUs, context): the paper's 3D range against WLB-ideal, and
+    distca with ping-pong against ``wlb_ideal`` with and without overlap: speedup (ratio of mean
+    step times) [95% interval over seeds], and where the simulator's interval lies relative to the
+    paper's range (above, within, overlapping, below)."""
+    sel = [r for r in rows if r.get("policy") == "distca" and r.get("pingpong") and "step_s" in r]
+    head = (f"{'model':<10} {'doclens':<8} {'gpus':>4} {'ctx':>4} | {'paper 3D':>9} | "
+            f"{'vs wlbi, both overlapped':>26} {'':>7} | {'vs wlbi without overlap':>26} {'':>7} | mem")  # fmt: skip
+    out = [head, "-" * len(head)]
+
+    def cell(r, key, paper):
+        v, ci = r.get(key), r.get(key + "_ci95")
+        if v is None:
+            return f"{'-':>26} {'':>7}"
+        lo, hi = ci if ci else (v, v)
+        where = "above" if lo > paper[1] else "below" if hi < paper[0] else "within" if paper[0] <= lo and hi <= paper[1] else "overlap"
+        return f"{v:>6.2f} [{lo:.2f}, {hi:.2f}]{'':>9} {where:>7}"
+
+    for r in sorted(sel, key=lambda r: (r["model"], r["doclens"], r["gpus"], r["context"])):
+        paper = PAPER_3D[r["doclens"]]
+        out.append(
+            f"{r['model']:<10} {r['doclens']:<8} {r['gpus']:>4} {_k(r['context']):>4} | "
+            f"{paper[0]:.2f}-{paper[1]:.2f} | {cell(r, 'speedup_vs_wlb_ideal', paper)} | "
+            f"{cell(r, 'speedup_vs_wlb_ideal_no_pp', paper)} | {'ok' if r.get('fits_memory', True) else '!mem'}"
+        )
+    return "\n".join(out)
+
+
 def pp_table(rows: list[dict]) -> str:
     """One line per (model, doclens, gpus, context, P, pingpong) of a --pp run."""
     groups: dict[tuple, dict[str, dict]] = {}
@@ -1104,7 +1134,11 @@ def parser() -> argparse.ArgumentParser:
         "--policy", action="append", choices=sorted(set(POLICIES) | set(PP_POLICIES)),
         help="repeatable; default all of the mode's (POLICIES, or PP_POLICIES with --pp)",
     )  # fmt: skip
-    ap.add_argument("--seeds", type=int, default=10, help="batches per point (the paper averages 30)")
+    ap.add_argument(
+        "--seeds", type=int, default=None,
+        help="batches per point (default 30, the paper's; 10 with --pp, for its run time)",
+    )  # fmt: skip
+    ap.add_argument("--jobs", type=int, default=None, help="worker processes over configurations (default: the CPU count; 1 with --quick)")
     ap.add_argument(
         "--microbatches", type=int,
         help="micro-batches per step, each its own batch (default 1; with --pp 2 x P: 2 x R sequences per step)",
@@ -1115,7 +1149,10 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ap.add_argument("--tolerance", type=float, default=0.05, help="planner epsilon (paper's train_3d: 0.05)")
     ap.add_argument("--upsample", type=int, default=4, help="repeat documents >= threshold this many times")
-    ap.add_argument("--upsample-threshold", type=int, default=16384)
+    ap.add_argument(
+        "--upsample-threshold", type=int, default=65536,
+        help="documents at least this long are upsampled (default 65536, the paper code's; 16384: the earlier variant)",
+    )  # fmt: skip
     ap.add_argument("--cut-docs", action="store_true", help="cut documents at rank boundaries (paper's batching)")
     ap.add_argument(
         "--sync", choices=("step", "layer"), default="step", help="wait for the straggler at step end or every layer"
@@ -1136,6 +1173,27 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _one_config(item: tuple, args) -> list[dict]:
+    return simulate_config(*item, args, {})
+
+
+def _map_configs(grid: list[tuple], args):
+    """Rows of every configuration of ``grid``, in order; over ``args.jobs`` processes when more
+    than one. Each configuration is independent (its own batches and plans), so the rows are the
+    same either way; ``--max-plan-s``'s skip then applies per configuration, not across them."""
+    if args.jobs == 1 or len(grid) == 1:
+        slow: dict[str, int] = {}
+        for item in grid:
+            yield simulate_config(*item, args, slow)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from functools import partial
+
+    with ProcessPoolExecutor(min(args.jobs, len(grid)), mp_context=multiprocessing.get_context("fork")) as ex:
+        yield from ex.map(partial(_one_config, args=args), grid)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
@@ -1144,6 +1202,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.model = args.model or ["llama3-8b"]
         args.gpus, args.context, args.seeds = [64, 256], [131072], 2
+        args.jobs = args.jobs or 1
+    args.seeds = 30 if args.seeds is None else args.seeds
+    args.jobs = args.jobs or os.cpu_count() or 1
     args.model = args.model or list(ARCHS)
     args.doclens = args.doclens or list(DISTRIBUTIONS)
     args.policy = args.policy or list(POLICIES)
@@ -1155,8 +1216,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--gpus must be multiples of TP={TP}, got {bad}")
     if bad := [p for p in args.policy if p not in POLICIES]:
         ap.error(f"--policy {bad[0]} needs --pp")
-    if min(args.context) < 1 or args.seeds < 1 or args.microbatches < 1:
-        ap.error("--context, --seeds and --microbatches must be >= 1")
+    if min(args.context) < 1 or args.seeds < 1 or args.microbatches < 1 or args.jobs < 1:
+        ap.error("--context, --seeds, --microbatches and --jobs must be >= 1")
     if not 0.0 <= args.tolerance < 1.0:
         ap.error(f"--tolerance must be in [0, 1), got {args.tolerance}")
     if not 0.0 < args.mfu <= 1.0 or args.ib_gbs <= 0:
@@ -1164,17 +1225,13 @@ def main(argv: list[str] | None = None) -> int:
 
     out_dir = Path(args.out)
     rows: list[dict] = []
-    slow: dict[str, int] = {}
     t0 = time.perf_counter()
-    for model in args.model:
-        for dist in args.doclens:
-            for gpus in sorted(args.gpus):
-                for ctx in sorted(args.context):
-                    new = simulate_config(model, dist, gpus, ctx, args, slow)
-                    rows.extend(new)
-                    if args.json:
-                        for r in new:
-                            print(json.dumps(r), flush=True)
+    grid = [(m, d, g, c) for m in args.model for d in args.doclens for g in sorted(args.gpus) for c in sorted(args.context)]
+    for new in _map_configs(grid, args):
+        rows.extend(new)
+        if args.json:
+            for r in new:
+                print(json.dumps(r), flush=True)
     wall = time.perf_counter() - t0
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -1200,6 +1257,9 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows))
         print()
         print(summary(rows))
+        if "wlb_ideal" in args.policy and "distca" in args.policy:
+            print("\ndistca (ping-pong) against the paper's WLB-ideal (wlb_ideal), per configuration:")
+            print(paper_table(rows))
         print(f"\n{wall:.1f} s; results in {out_dir / 'results.jsonl'}" + (f", plot {png}" if png else ""))
     return 0
 
@@ -1218,6 +1278,7 @@ def main_pp(ap: argparse.ArgumentParser, args) -> int:
     if args.quick:
         args.model = args.model or ["llama3-8b"]
         args.gpus, args.context, args.seeds = args.gpus or [64, 128], args.context or [131072], 2
+    args.seeds = 10 if args.seeds is None else args.seeds  # 30 would take ~25 min for the 4D grid
     args.model = args.model or list(ARCHS)
     args.doclens = args.doclens or list(DISTRIBUTIONS)
     args.policy = args.policy or list(PP_POLICIES)

@@ -368,3 +368,25 @@ def test_speedup_intervals_are_paired_bootstraps_over_seeds(quick):
     rows, _ = quick  # 2 seeds: the fields are there, without an interval
     d = next(r for r in rows if r["policy"] == "distca")
     assert len(d["step_s_seeds"]) == 2 and d["speedup_vs_wlb_ideal_ci95"] is None
+
+
+def test_jobs_give_the_same_rows_and_the_paper_table_places_intervals(tmp_path):
+    args = ["--model", "llama3-8b", "--doclens", "prolong", "--gpus", "64", "128", "--context", "65536",
+            "--seeds", "3", "--json", "--no-plot", "--out", str(tmp_path)]  # fmt: skip
+    outs = []
+    for jobs in ("1", "2"):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert simulate.main([*args, "--jobs", jobs]) == 0
+        outs.append([json.loads(line) for line in buf.getvalue().splitlines() if line.strip()])
+    drop = lambda r: {k: v for k, v in r.items() if k != "plan_ms"}  # noqa: E731 - wall time differs
+    assert [drop(r) for r in outs[0]] == [drop(r) for r in outs[1]]
+    rows = outs[0]
+    d = next(r for r in rows if r["policy"] == "distca" and r["pingpong"])
+    lo, hi = d["speedup_vs_wlb_ideal_ci95"]
+    assert lo <= d["speedup_vs_wlb_ideal"] <= hi
+    text = simulate.paper_table(rows)
+    assert len(text.splitlines()) == 2 + 2  # header, rule, one line per GPU count
+    line = next(x for x in text.splitlines() if x.split()[:3] == ["llama3-8b", "prolong", "64"])
+    where = "above" if lo > 1.12 else "below" if hi < 1.05 else "within" if 1.05 <= lo and hi <= 1.12 else "overlap"
+    assert f"{d['speedup_vs_wlb_ideal']:.2f} [{lo:.2f}, {hi:.2f}]" in line and where in line
