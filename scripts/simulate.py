@@ -70,6 +70,13 @@ COST_MODEL = "h200"
 to forward + backward kernel times measured on one H200 (``docs/gpu.md``). Backward =
 ``bwd_factor`` x forward."""
 
+OP_OVERHEAD_S = (0.81e-3, 1.62e-3)
+"""Seconds per ``core_attention`` call (forward, backward) beyond its kernels, measured on one H200
+(``docs/data/gpu_check_h200/op_check.json``: the op against the bare varlen kernel on the same
+tasks, 16K tokens, 6 documents, Llama-3-8B heads, group of 1: forward 3.31 vs 2.50 ms,
+forward + backward 11.68 vs 9.26 ms). Charged per layer and per call (two with ping-pong) to the
+policies that run on distca's op; the WLB baselines run on their own CP and are charged none."""
+
 HBM_BYTES = 141e9
 """Bytes of HBM per H200 GPU (NVIDIA datasheet: 141 GB)."""
 
@@ -297,7 +304,8 @@ class StepTime:
 
 
 def step_time(
-    c: RankCosts, arch: Arch, tokens: int, bwd_factor: float, pingpong: bool, sync: str, hw: Hardware
+    c: RankCosts, arch: Arch, tokens: int, bwd_factor: float, pingpong: bool, sync: str, hw: Hardware,
+    op_overhead: tuple[float, float] = (0.0, 0.0),
 ) -> StepTime:
     """Step time of one micro-batch of ``tokens`` tokens per CA rank.
 
@@ -305,18 +313,21 @@ def step_time(
     the slowest rank (data-parallel gradient sync). ``sync="layer"``: every
     phase of every layer also waits for the slowest rank of its group (the
     all-to-all is a collective), i.e. per-phase maxima within each group.
+    ``op_overhead``: seconds per layer (forward, backward) every rank spends in the CA runtime
+    beyond its kernels (:data:`OP_OVERHEAD_S` per call), on the compute stream.
     """
     lin_f = linear_fwd_s(arch, tokens, hw)
     lin_b = 2.0 * lin_f
     attn_f, df, rf, db, rb = c.attn_fwd, c.fwd_dispatch, c.fwd_return, c.bwd_dispatch, c.bwd_return
     if sync == "layer":
         attn_f, df, rf, db, rb = (_group_max(x, c.groups) for x in (attn_f, df, rf, db, rb))
-    attn_b = bwd_factor * attn_f
+    attn_b = bwd_factor * attn_f + op_overhead[1]
+    attn_f = attn_f + op_overhead[0]
     per_layer = _phase(lin_f, attn_f, df, rf, pingpong) + _phase(lin_b, attn_b, db, rb, pingpong)
     r = int(np.argmax(per_layer))
     head = 3.0 * head_fwd_s(arch, tokens, hw)
     L = arch.layers
-    own_compute = lin_f + lin_b + c.attn_fwd[r] * (1.0 + bwd_factor)
+    own_compute = lin_f + lin_b + c.attn_fwd[r] * (1.0 + bwd_factor) + op_overhead[0] + op_overhead[1]
     return StepTime(
         step_s=L * float(per_layer[r]) + head,
         linear_s=L * (lin_f + lin_b) + head,
@@ -533,7 +544,9 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
                     slow[policy] = size
                 rc = rank_costs(p.loads, p.traffic, shape, np.zeros(R, dtype=np.int64), hw)
                 for pp in (False, True):
-                    st = step_time(rc, arch, ctx, cm.bwd_factor, pp, args.sync, hw)
+                    calls = 2 if pp else 1  # ping-pong: one call per nano-batch
+                    ovh = (calls * OP_OVERHEAD_S[0], calls * OP_OVERHEAD_S[1])
+                    st = step_time(rc, arch, ctx, cm.bwd_factor, pp, args.sync, hw, ovh)
                     acc.setdefault((policy, pp), []).append((st, rc, p.loads, plan_s * 1e3, {"tasks": p.num_tasks}))
     rows = []
     mb = args.microbatches
