@@ -1091,9 +1091,12 @@ def plot(rows: list[dict], out_dir: Path) -> Path:
     ctxs = sorted({r["context"] for r in sel})
     fig, axes = plt.subplots(len(dists), len(models), figsize=(5.5 * len(models), 4.0 * len(dists)), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    # Against the fair WLB-ideal (wlb_ideal) where it ran, else the in-order stand-in (wlb_cp).
+    base = "wlb_ideal" if any(r.get("speedup_vs_wlb_ideal") for r in sel) else "wlb_cp"
+    name = "WLB-ideal" if base == "wlb_ideal" else "WLB-like"
     styles = (
-        ("wlb_cp_no_pp", "-o", "vs WLB-like, no overlap"),
-        ("wlb_cp", "--s", "vs WLB-like, ping-pong"),
+        (f"{base}_no_pp", "-o", f"vs {name}, no overlap"),
+        (base, "--s", f"vs {name}, ping-pong"),
         ("per_doc_cp", ":^", "vs per_doc_cp, ping-pong"),
     )
     for i, dist in enumerate(dists):
