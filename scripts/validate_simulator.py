@@ -49,23 +49,17 @@ for _p in (str(ROOT), str(ROOT / "scripts")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_train import CONFIGS, rank_docs  # noqa: E402
+from bench_train import CONFIGS, MODELS, rank_docs  # noqa: E402
 
 from distca import CostModel, Layout, ModelShape, load_cost_model, plan, split_nano_batches  # noqa: E402
 
 PROFILE = ROOT / "docs" / "data" / "simulator_cpu_profile.json"
 
-MODEL_ARGS = {
-    # bench_train's flavors: (dim, layers, heads, kv heads); fp32 on CPU.
-    "debug": (256, 6, 16, 16),
-    "wide": (512, 3, 8, 4),
-}
-
 
 def model_shape(model: str) -> tuple[ModelShape, int]:
     """The trainer's attention shape of a bench_train model (fp32 on CPU) and its layer count."""
-    dim, layers, heads, kv = MODEL_ARGS[model]
-    return ModelShape(heads, kv, dim // heads, 4), layers
+    d = MODELS[model]["dims"]
+    return ModelShape(d["n_heads"], d["n_kv_heads"], d["dim"] // d["n_heads"], 4), d["n_layers"]
 
 
 def planner_settings() -> dict:
@@ -82,7 +76,7 @@ def run_args(summary: dict) -> tuple[int, int]:
     """(nano-batches, seed) of the bench_train command that produced ``summary``."""
     argv = shlex.split(summary.get("command", ""))
     nb, seed = 2, 0
-    for flag, i in ((a, k) for k, a in enumerate(argv)):
+    for i, flag in enumerate(argv):
         if flag == "--nano-batches" and i + 1 < len(argv):
             nb = int(argv[i + 1])
         elif flag == "--seed" and i + 1 < len(argv):
@@ -110,13 +104,15 @@ def replay(summary: dict, profile: dict, which: str = "shape") -> list[dict]:
     plan_cm = load_cost_model("cpu")  # what the trainer plans with ("auto" on CPU)
     eval_cm = attention_model(profile, model, which, shape)
     link = float(profile["link_byte_s"]["value"])
+    batches = []  # bench_train's timed batches (0: memory, 1: warm-up), split as the trainer does
+    for b in range(2, 2 + repeats):
+        lay = Layout.from_doclens([d for row in rank_docs(workload, R, T, b, seed) for d in row], R, T)
+        batches.append(split_nano_batches(lay, "rows") if nb == 2 else (lay,))
     out = []
     for config in summary["configs"]:
         spec = CONFIGS[config]
         per_batch, attn_ranks, comm_ranks = [], [], []
-        for b in range(2, 2 + repeats):  # bench_train's timed batches (0: memory, 1: warm-up)
-            lay = Layout.from_doclens([d for row in rank_docs(workload, R, T, b, seed) for d in row], R, T)
-            nanos = split_nano_batches(lay, "rows") if nb == 2 else (lay,)
+        for nanos in batches:
             attn, comm = np.zeros(R), np.zeros(R)
             for nano in nanos:
                 p = plan(nano, spec["policy"], cost_model=plan_cm, shape=shape, mode=spec["mode"], **settings)

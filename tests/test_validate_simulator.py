@@ -81,3 +81,18 @@ def test_command_line_json(run, tmp_path):
     assert len(rows) == 4 and {r["attention_model"] for r in rows} == {"shape"}
     # The shape model given is the packaged one rescaled, so both paths agree.
     assert rows[3]["predicted_step_s"] == pytest.approx(vs.validate(run, {"link_byte_s": {"value": 1e-9}, "attention": {}}, "packaged")[3]["predicted_step_s"])
+
+
+def test_bench_models_dims_are_the_trainers_flavors():
+    """bench_train's ``dims`` (which validate_simulator's shapes come from) are the flavors it trains:
+    bench_wide is built from them, and debug's are torchtitan's debugmodel."""
+    from torchtitan_ext import _compat
+
+    _compat.apply()
+    from torchtitan.models.llama3 import llama3_args
+
+    dm = llama3_args["debugmodel"]
+    want = dict(dim=dm.dim, n_layers=dm.n_layers, n_heads=dm.n_heads, n_kv_heads=dm.n_kv_heads or dm.n_heads)
+    assert vs.MODELS["debug"]["dims"] == want
+    assert vs.model_shape("debug") == (vs.ModelShape(16, 16, 16, 4), 6)
+    assert vs.model_shape("wide") == (vs.ModelShape(8, 4, 64, 4), 3)
