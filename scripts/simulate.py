@@ -402,6 +402,15 @@ def wlb_costs(loads: np.ndarray, ag_bytes: np.ndarray, c: int, hw: Hardware) -> 
     return RankCosts(loads / TP, t, zero, t, t, np.arange(R) // c, 2 * per_gpu)
 
 
+def wlb_cp_step(layout: Layout, c: int, arch: Arch, tokens: int, shape, cm, hw: Hardware, sync: str, tolerance: float):
+    """:func:`wlb_cp` at CP degree ``c``, costed (:func:`wlb_costs`) and timed with and without
+    overlap for ``tokens`` tokens per rank. Returns ({pingpong: (StepTime, RankCosts)}, per-rank
+    loads, plan seconds)."""
+    _, loads, ag, ps = wlb_cp(layout, c, shape, cm, tolerance)
+    rc = wlb_costs(loads, ag, c, hw)
+    return {pp: (step_time(rc, arch, tokens, cm.bwd_factor, pp, sync, hw), rc) for pp in (False, True)}, loads, ps
+
+
 WLB_TOKEN_CAP = 2.0
 """``wlb_ideal``'s packing bound: a DP group of c ranks takes at most this x c x context tokens
 (variable-length packing trades tokens for attention; the cap stands for the memory that bounds it
@@ -458,12 +467,10 @@ def wlb_ideal_step(layout: Layout, c: int, arch: Arch, ctx: int, shape, cm, hw: 
         pad = c * T - tok
         glay = Layout(tuple(np.concatenate([[0], np.cumsum(lens + ([pad] if pad else []))]).tolist()), c, T,
                       padding=(len(lens),) if pad else ())  # fmt: skip
-        _, loads, ag, ps = wlb_cp(glay, c, shape, cm, tolerance)
-        rc = wlb_costs(loads, ag, c, hw)
+        by_pp, loads, ps = wlb_cp_step(glay, c, arch, T, shape, cm, hw, sync, tolerance)
         plan_s += ps
         loads_all.append(loads)
-        for pp in (False, True):
-            st = step_time(rc, arch, T, cm.bwd_factor, pp, sync, hw)
+        for pp, (st, rc) in by_pp.items():
             if pp not in best or st.step_s > best[pp][0].step_s:
                 best[pp] = (st, rc)
     return best, np.concatenate(loads_all), plan_s
@@ -513,23 +520,12 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
                 if lim is not None and size >= lim:
                     notes[policy] = f"skipped at >= {lim} tokens per group: one plan took > {args.max_plan_s} s"
                     continue
-                if policy == "wlb_ideal":
-                    best = {}
-                    for c in cps:
-                        by_pp, loads, ps = wlb_ideal_step(lay, c, arch, ctx, shape, cm, hw, args.sync, args.tolerance)
-                        for pp, (st, rc) in by_pp.items():
-                            if pp not in best or st.step_s < best[pp][0].step_s:
-                                best[pp] = (st, rc, loads, ps, c)
-                    for pp, (st, rc, loads, ps, c) in best.items():
-                        acc.setdefault((policy, pp), []).append((st, rc, loads, ps * 1e3, {"cp": c}))
-                    continue
-                if policy == "wlb_cp":
+                if policy in ("wlb_cp", "wlb_ideal"):
+                    step_at = wlb_cp_step if policy == "wlb_cp" else wlb_ideal_step
                     best: dict[bool, tuple] = {}  # pingpong -> (StepTime, RankCosts, loads, plan s, c)
-                    for c in cps:
-                        _, loads, ag, ps = wlb_cp(lay, c, shape, cm, args.tolerance)
-                        rc = wlb_costs(loads, ag, c, hw)
-                        for pp in (False, True):
-                            st = step_time(rc, arch, ctx, cm.bwd_factor, pp, args.sync, hw)
+                    for c in cps:  # the grid search over CP degrees, per ping-pong setting
+                        by_pp, loads, ps = step_at(lay, c, arch, ctx, shape, cm, hw, args.sync, args.tolerance)
+                        for pp, (st, rc) in by_pp.items():
                             if pp not in best or st.step_s < best[pp][0].step_s:
                                 best[pp] = (st, rc, loads, ps, c)
                         if ps > args.max_plan_s:
