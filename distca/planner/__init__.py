@@ -137,12 +137,11 @@ def plan(
     # unmerged, so the same sums in the same order): a plan that does not lower it keeps every
     # row home, without building the colocated plan's traffic.
     base_max = np.bincount(server, opts.cost_model.task_time(start, end), layout.ranks).max()
-    if p.loads.max() >= base_max or opts.cost_model.link_byte_s:  # no byte cost: a lower max is the gain
-        if base is None:
-            base = build_plan(layout, policy, *base_cols, opts)
-        if p.loads.max() >= base_max or move_gain(base, p) <= 0.0:
-            return base
-    return p
+    if p.loads.max() < base_max and not opts.cost_model.link_byte_s:
+        return p  # no byte cost: a lower max load is the whole gain
+    if base is None:
+        base = build_plan(layout, policy, *base_cols, opts)
+    return base if p.loads.max() >= base_max or move_gain(base, p) <= 0.0 else p
 
 
 def move_gain(base: Plan, p: Plan) -> float:

@@ -19,6 +19,8 @@ __all__ = ["assign"]
 # few percent of a donor's excess would otherwise go out in ever smaller chunks (each chunk fills
 # its receiver to within 1%, the remainder asks for another), tiny kernel tasks that buy nothing.
 _DONE = 0.2
+# A receiver with less room than this fraction of the mean counts as full.
+_MIN_ROOM = 2e-3
 
 
 class _Balancer:
@@ -229,7 +231,7 @@ class _Balancer:
         # Min-heap on load (most room first), lazily updated: an entry is checked against load on
         # pop. Keyed on load, not room, so that a moving mean leaves the order valid.
         mean = total / R
-        heap = [(load[j], j) for j in receivers if up * mean - load[j] > 2e-3 * mean]
+        heap = [(load[j], j) for j in receivers if up * mean - load[j] > _MIN_ROOM * mean]
         heapq.heapify(heap)
         active = {j for _, j in heap}
         for d in donors:
@@ -247,7 +249,7 @@ class _Balancer:
             live: dict[int, list[int]] = {}
             while True:
                 mean = total / R
-                hi_bound, fill_to, min_room = mean * (1.0 + overload), up * mean, 2e-3 * mean
+                hi_bound, fill_to, min_room = mean * (1.0 + overload), up * mean, _MIN_ROOM * mean
                 target = fill_to if floor is None else mean * (1.0 - floor)
                 if load[d] <= target + _DONE * (hi_bound - mean):
                     break
@@ -340,7 +342,7 @@ class _Balancer:
                     active.discard(j)
             mean = total / R
             for j in parked:  # parked receivers had no room for this donor's cuts only
-                if up * mean - load[j] > 2e-3 * mean:
+                if up * mean - load[j] > _MIN_ROOM * mean:
                     active.add(j)
                     heapq.heappush(heap, (load[j], j))
         self.load[:] = load
