@@ -77,6 +77,16 @@ tasks, 16K tokens, 6 documents, Llama-3-8B heads, group of 1: forward 3.31 vs 2.
 forward + backward 11.68 vs 9.26 ms). Charged per layer and per call (two with ping-pong) to the
 policies that run on distca's op; the WLB baselines run on their own CP and are charged none."""
 
+A2A_BASE_LATENCY_S = 8.4e-6
+"""Seconds of fixed cost per NCCL collective launch (NCCL's own tuning model, ``baseLat`` of the
+Ring / Simple protocol in its ``src/graph/tuning.cc``). Nothing here measured it: the H200 check
+has one GPU."""
+
+NET_HOP_LATENCY_S = 6.6e-6
+"""Seconds per network step of a collective over InfiniBand (the same tuning model's ``hwLat`` for
+NET, Ring / Simple). An all-to-all sends to all peers at once (one step); a ring all-gather or
+reduce-scatter over c ranks takes c - 1 steps."""
+
 HBM_BYTES = 141e9
 """Bytes of HBM per H200 GPU (NVIDIA datasheet: 141 GB)."""
 
@@ -160,6 +170,16 @@ class Hardware:
     full_duplex: bool = True
     """True: a link sends and receives at full rate at once, comm = max(sent, received) / bandwidth.
     False: comm = (sent + received) / bandwidth."""
+    latency_scale: float = 1.0
+    """Multiplies :data:`A2A_BASE_LATENCY_S` and :data:`NET_HOP_LATENCY_S` (0: bandwidth only)."""
+
+    def a2a_latency_s(self) -> float:
+        """Seconds per all-to-all call: launch plus one network step (every peer at once)."""
+        return self.latency_scale * (A2A_BASE_LATENCY_S + NET_HOP_LATENCY_S)
+
+    def ring_latency_s(self, ranks: int) -> float:
+        """Seconds per ring all-gather or reduce-scatter over ``ranks`` ranks (0 for one rank)."""
+        return self.latency_scale * (A2A_BASE_LATENCY_S + (ranks - 1) * NET_HOP_LATENCY_S) if ranks > 1 else 0.0
 
 
 # ---- per-rank costs of one plan --------------------------------------------------------
@@ -182,6 +202,9 @@ class RankCosts(NamedTuple):
     """int [R]: ranks with the same id wait for each other every layer (``--sync layer``)."""
     fwd_bytes_gpu: np.ndarray
     """Forward bytes sent + received per GPU (diagnostic)."""
+    latency: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    """Seconds of fixed latency per call of (fwd dispatch, fwd return, bwd dispatch, bwd return),
+    paid once per nano-batch (twice per layer and direction with ping-pong)."""
 
 
 def rank_costs(loads, tr, shape, groups, hw: Hardware) -> RankCosts:
@@ -211,6 +234,8 @@ def rank_costs(loads, tr, shape, groups, hw: Hardware) -> RankCosts:
     rf = disp_f / fwd_tot if fwd_tot > 0 else 0.5
     rb = min(max(disp_b / bwd_tot, 0.0), 1.0) if bwd_tot > 0 else 0.5
     fwd_s, bwd_s = fwd_t / hw.ib_bytes_per_s, bwd_t / hw.ib_bytes_per_s
+    # The runtime runs no collective when no row moves (DispatchMeta.local_only).
+    lat = hw.a2a_latency_s() if fwd_tot > 0 else 0.0
     return RankCosts(
         attn_fwd=np.asarray(loads, dtype=np.float64) / TP,
         fwd_dispatch=fwd_s * rf,
@@ -219,6 +244,7 @@ def rank_costs(loads, tr, shape, groups, hw: Hardware) -> RankCosts:
         bwd_return=bwd_s * (1 - rb),
         groups=np.asarray(groups),
         fwd_bytes_gpu=fwd_b,
+        latency=(lat, lat, lat, lat),
     )
 
 
@@ -230,7 +256,7 @@ def _group_max(x: np.ndarray, groups: np.ndarray) -> np.ndarray:
     return out
 
 
-def _phase(lin, attn, disp, ret, pingpong: bool):
+def _phase(lin, attn, disp, ret, pingpong: bool, lat: tuple[float, float] = (0.0, 0.0)):
     """Seconds of one direction (fwd or bwd) of one layer.
 
     Without ping-pong everything is serial: linear, dispatch, attention, return.
@@ -239,16 +265,18 @@ def _phase(lin, attn, disp, ret, pingpong: bool):
     one compute op of the other nano-batch; a tick lasts the longer of the two:
         tick 1: linear(pong)  | dispatch(ping)      tick 3: attn(pong) | return(ping)
         tick 2: attn(ping)    | dispatch(pong)      tick 4: linear(ping, next layer) | return(pong)
-    Since max(a, b) <= a + b, ping-pong never takes longer.
+    Since max(a, b) <= a + b, ping-pong never takes longer when ``lat`` is 0. ``lat``: seconds
+    of fixed latency per (dispatch, return) call, which every nano-batch pays in full.
     """
+    ld, lr = lat
     if not pingpong:
-        return lin + attn + disp + ret
+        return lin + attn + disp + ret + ld + lr
     h = 0.5
     return (
-        np.maximum(h * lin, h * disp)
-        + np.maximum(h * attn, h * disp)
-        + np.maximum(h * attn, h * ret)
-        + np.maximum(h * lin, h * ret)
+        np.maximum(h * lin, h * disp + ld)
+        + np.maximum(h * attn, h * disp + ld)
+        + np.maximum(h * attn, h * ret + lr)
+        + np.maximum(h * lin, h * ret + lr)
     )
 
 
@@ -323,7 +351,8 @@ def step_time(
         attn_f, df, rf, db, rb = (_group_max(x, c.groups) for x in (attn_f, df, rf, db, rb))
     attn_b = bwd_factor * attn_f + op_overhead[1]
     attn_f = attn_f + op_overhead[0]
-    per_layer = _phase(lin_f, attn_f, df, rf, pingpong) + _phase(lin_b, attn_b, db, rb, pingpong)
+    lat = c.latency
+    per_layer = _phase(lin_f, attn_f, df, rf, pingpong, lat[:2]) + _phase(lin_b, attn_b, db, rb, pingpong, lat[2:])
     r = int(np.argmax(per_layer))
     head = 3.0 * head_fwd_s(arch, tokens, hw)
     L = arch.layers
@@ -332,7 +361,8 @@ def step_time(
         step_s=L * float(per_layer[r]) + head,
         linear_s=L * (lin_f + lin_b) + head,
         attn_s=L * float(c.attn_fwd[r] * (1.0 + bwd_factor)),
-        comm_s=L * float(c.fwd_dispatch[r] + c.fwd_return[r] + c.bwd_dispatch[r] + c.bwd_return[r]),
+        comm_s=L * float(c.fwd_dispatch[r] + c.fwd_return[r] + c.bwd_dispatch[r] + c.bwd_return[r]
+                         + (2 if pingpong else 1) * sum(lat)),
         exposed_s=L * max(0.0, float(per_layer[r] - own_compute)),
         straggler=r,
     )
@@ -399,35 +429,54 @@ def wlb_costs(loads: np.ndarray, ag_bytes: np.ndarray, c: int, hw: Hardware) -> 
     per_gpu = ag_bytes / TP  # sent == received in an all-gather
     t = (1.0 if hw.full_duplex else 2.0) * per_gpu / hw.ib_bytes_per_s
     zero = np.zeros(R)
-    return RankCosts(loads / TP, t, zero, t, t, np.arange(R) // c, 2 * per_gpu)
+    ring = hw.ring_latency_s(c) if float(ag_bytes.sum()) > 0 else 0.0
+    return RankCosts(loads / TP, t, zero, t, t, np.arange(R) // c, 2 * per_gpu, (ring, 0.0, ring, ring))
 
 
 def wlb_cp_step(layout: Layout, c: int, arch: Arch, tokens: int, shape, cm, hw: Hardware, sync: str, tolerance: float):
     """:func:`wlb_cp` at CP degree ``c``, costed (:func:`wlb_costs`) and timed with and without
     overlap for ``tokens`` tokens per rank. Returns ({pingpong: (StepTime, RankCosts)}, per-rank
-    loads, plan seconds)."""
+    loads, plan seconds, most tokens on one rank)."""
     _, loads, ag, ps = wlb_cp(layout, c, shape, cm, tolerance)
     rc = wlb_costs(loads, ag, c, hw)
-    return {pp: (step_time(rc, arch, tokens, cm.bwd_factor, pp, sync, hw), rc) for pp in (False, True)}, loads, ps
+    by_pp = {pp: (step_time(rc, arch, tokens, cm.bwd_factor, pp, sync, hw), rc) for pp in (False, True)}
+    return by_pp, loads, ps, tokens
 
 
 WLB_TOKEN_CAP = 2.0
 """``wlb_ideal``'s packing bound: a DP group of c ranks takes at most this x c x context tokens
-(variable-length packing trades tokens for attention; the cap stands for the memory that bounds it
-in WLB-LLM)."""
+(variable-length packing trades tokens for attention), and less where the memory estimate says so
+(:func:`wlb_cap`)."""
 
 
-def wlb_pack(doc_lens: np.ndarray, groups: int, c: int, ctx: int, arch: Arch, cm, hw: Hardware) -> list[list[int]]:
+def fit_tokens(arch: Arch, dp: int, pp: int = 1, in_flight: int = 1) -> float:
+    """Tokens per rank and micro-batch at which :func:`memory_per_gpu` reaches ``HBM_BYTES``."""
+    m = memory_per_gpu(arch, 1, dp, pp, in_flight)
+    per_token = (m["memory_gib"] - m["model_state_gib"]) * float(1 << 30)
+    return (HBM_BYTES - m["model_state_gib"] * float(1 << 30)) / per_token
+
+
+def wlb_cap(arch: Arch, ctx: int, dp: int, pp: int = 1, in_flight: int = 1) -> float:
+    """``wlb_ideal``'s bound on a group's tokens, as a multiple of c x ``ctx``: ``WLB_TOKEN_CAP``, or what
+    still fits in memory (WLB-LLM bounds its packing by memory), but never below 1 (the fixed budget
+    every policy gets, whether it fits or not)."""
+    return float(min(WLB_TOKEN_CAP, max(1.0, fit_tokens(arch, dp, pp, in_flight) / ctx)))
+
+
+def wlb_pack(doc_lens: np.ndarray, groups: int, c: int, ctx: int, arch: Arch, cm, hw: Hardware,
+             cap_ratio: float = WLB_TOKEN_CAP) -> list[list[int]]:  # fmt: skip
     """WLB-LLM's variable-length packing, ideal (no deferred documents): whole documents to ``groups``
     DP groups of ``c`` ranks, longest processing time first: each document, heaviest first, goes to
     the group with the least modelled work so far (linear seconds per token times its tokens, plus
     its causal attention forward + backward, per layer), among those with room under
-    ``WLB_TOKEN_CAP`` x c x ctx tokens (else the one with the most room). Returns document lengths
-    per group."""
+    ``cap_ratio`` x c x ctx tokens (else the one with the most room). Returns document lengths per
+    group."""
     lin_tok = 3.0 * linear_fwd_s(arch, 1, hw)  # forward + backward of one token's linear layers
     lens = np.asarray(doc_lens, dtype=np.int64)
-    work = lin_tok * lens / TP + cm.task_time(np.zeros_like(lens), lens) * (1.0 + cm.bwd_factor) / TP
-    cap = WLB_TOKEN_CAP * c * ctx
+    # Per-GPU seconds: linear_fwd_s is already one GPU's share of its TP group; attention loads are the
+    # whole group's, each GPU serving 1 / TP of the heads.
+    work = lin_tok * lens + cm.task_time(np.zeros_like(lens), lens) * (1.0 + cm.bwd_factor) / TP
+    cap = cap_ratio * c * ctx
     tokens = [0] * groups
     heap = [(0.0, g) for g in range(groups)]  # (work so far, group): least work first
     out: list[list[int]] = [[] for _ in range(groups)]
@@ -453,12 +502,12 @@ def wlb_ideal_step(layout: Layout, c: int, arch: Arch, ctx: int, shape, cm, hw: 
     """The WLB-ideal baseline at CP degree ``c``: :func:`wlb_pack` over the batch's whole documents,
     then per-document head-tail CP inside each group (:func:`wlb_cp` on the group's own layout), each
     group's linear layers on the tokens it was given. Returns ({pingpong: (StepTime, RankCosts) of
-    the slowest group}, per-rank loads of all groups, plan seconds)."""
+    the slowest group}, per-rank loads of all groups, plan seconds, most tokens on one rank)."""
     groups = layout.ranks // c
     real = np.setdiff1d(np.arange(layout.num_docs), np.asarray(layout.padding, dtype=np.int64))
-    packs = wlb_pack(layout.doc_lens[real], groups, c, ctx, arch, cm, hw)
+    packs = wlb_pack(layout.doc_lens[real], groups, c, ctx, arch, cm, hw, wlb_cap(arch, ctx, groups))
     best: dict[bool, tuple] = {}
-    loads_all, plan_s = [], 0.0
+    loads_all, plan_s, most = [], 0.0, 0
     for lens in packs:
         if not lens:
             continue
@@ -467,13 +516,14 @@ def wlb_ideal_step(layout: Layout, c: int, arch: Arch, ctx: int, shape, cm, hw: 
         pad = c * T - tok
         glay = Layout(tuple(np.concatenate([[0], np.cumsum(lens + ([pad] if pad else []))]).tolist()), c, T,
                       padding=(len(lens),) if pad else ())  # fmt: skip
-        by_pp, loads, ps = wlb_cp_step(glay, c, arch, T, shape, cm, hw, sync, tolerance)
+        by_pp, loads, ps, _ = wlb_cp_step(glay, c, arch, T, shape, cm, hw, sync, tolerance)
         plan_s += ps
+        most = max(most, T)
         loads_all.append(loads)
         for pp, (st, rc) in by_pp.items():
             if pp not in best or st.step_s > best[pp][0].step_s:
                 best[pp] = (st, rc)
-    return best, np.concatenate(loads_all), plan_s
+    return best, np.concatenate(loads_all), plan_s, most
 
 
 def _ratio_ci95(base: list[float], ours: list[float], n: int = 1000) -> list[float] | None:
@@ -511,7 +561,7 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
     notes: dict[str, str] = {}
     cps = [1 << k for k in range(int(math.log2(R)) + 1) if R % (1 << k) == 0]
     size = R * ctx
-    hw = Hardware(args.mfu, args.ib_gbs * 1e9, not args.half_duplex)
+    hw = Hardware(args.mfu, args.ib_gbs * 1e9, not args.half_duplex, args.latency_scale)
     for s in range(args.seeds):
         for m in range(args.microbatches):
             lay = build_layout(pool, R, ctx, s * args.microbatches + m, args)
@@ -522,16 +572,16 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
                     continue
                 if policy in ("wlb_cp", "wlb_ideal"):
                     step_at = wlb_cp_step if policy == "wlb_cp" else wlb_ideal_step
-                    best: dict[bool, tuple] = {}  # pingpong -> (StepTime, RankCosts, loads, plan s, c)
+                    best: dict[bool, tuple] = {}  # pingpong -> (StepTime, RankCosts, loads, plan s, extra)
                     for c in cps:  # the grid search over CP degrees, per ping-pong setting
-                        by_pp, loads, ps = step_at(lay, c, arch, ctx, shape, cm, hw, args.sync, args.tolerance)
+                        by_pp, loads, ps, most = step_at(lay, c, arch, ctx, shape, cm, hw, args.sync, args.tolerance)
                         for pp, (st, rc) in by_pp.items():
                             if pp not in best or st.step_s < best[pp][0].step_s:
-                                best[pp] = (st, rc, loads, ps, c)
+                                best[pp] = (st, rc, loads, ps, {"cp": c, "tokens": most})
                         if ps > args.max_plan_s:
                             slow[policy] = size
-                    for pp, (st, rc, loads, ps, c) in best.items():
-                        acc.setdefault((policy, pp), []).append((st, rc, loads, ps * 1e3, {"cp": c}))
+                    for pp, (st, rc, loads, ps, extra) in best.items():
+                        acc.setdefault((policy, pp), []).append((st, rc, loads, ps * 1e3, extra))
                     continue
                 t0 = time.perf_counter()
                 p = plan(lay, policy, tolerance=args.tolerance, shape=shape, cost_model=COST_MODEL)
@@ -540,9 +590,7 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
                     slow[policy] = size
                 rc = rank_costs(p.loads, p.traffic, shape, np.zeros(R, dtype=np.int64), hw)
                 for pp in (False, True):
-                    calls = 2 if pp else 1  # ping-pong: one call per nano-batch
-                    ovh = (calls * OP_OVERHEAD_S[0], calls * OP_OVERHEAD_S[1])
-                    st = step_time(rc, arch, ctx, cm.bwd_factor, pp, args.sync, hw, ovh)
+                    st = step_time(rc, arch, ctx, cm.bwd_factor, pp, args.sync, hw, _op_overhead(pp))
                     acc.setdefault((policy, pp), []).append((st, rc, p.loads, plan_s * 1e3, {"tasks": p.num_tasks}))
     rows = []
     mb = args.microbatches
@@ -552,6 +600,7 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
         "mfu": hw.linear_mfu,
         "ib_gbs": hw.ib_bytes_per_s / 1e9,
         "full_duplex": hw.full_duplex,
+        "latency_scale": hw.latency_scale,
         "upsample": args.upsample,
         "upsample_threshold": args.upsample_threshold,
         "cut_docs": args.cut_docs,
@@ -588,6 +637,11 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
         if policy in ("wlb_cp", "wlb_ideal"):
             cs = [i[4]["cp"] for i in items]
             row["cp"] = max(sorted(set(cs)), key=cs.count)
+            if policy == "wlb_ideal":
+                # Variable-length packing can hold more tokens on a rank than ctx: its memory follows them.
+                most = max(i[4]["tokens"] for i in items)
+                row["max_tokens_ratio"] = most / ctx
+                row.update(memory_per_gpu(arch, most, R))
         else:
             row["tasks"] = float(np.mean([i[4]["tasks"] for i in items]))
         rows.append(row)
@@ -614,11 +668,12 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
 # in reverse order, so backward tick u has the stage / micro-batch set of forward tick
 # M + P - 2 - u and reuses its plan. See docs/simulator.md, "Pipeline parallelism (4D)".
 
-PP_POLICIES = ("colocated", "wlb_cp", "distca_stage", "greedy", "distca")
+PP_POLICIES = ("colocated", "wlb_cp", "wlb_ideal", "distca_stage", "greedy", "distca")
 """``--pp`` policies. Without CAD across stages, each stage computing its own micro-batch's attention
 and scheduled as a GPipe dependency graph (no tick barrier): ``colocated`` (each DP rank of a stage
-serves its own queries), ``wlb_cp`` (CP groups of c ranks inside a stage, c grid-searched as in 3D) and
-``distca_stage`` (distca over one stage's DP ranks, 3D CAD inside each stage). With CAD over the whole
+serves its own queries), ``wlb_cp`` (CP groups of c ranks inside a stage, c grid-searched as in 3D),
+``wlb_ideal`` (WLB-LLM's packing of whole documents into balanced micro-batches of variable length,
+per-document CP in groups of c, c grid-searched: :func:`wlb_ideal_microbatches`) and ``distca_stage`` (distca over one stage's DP ranks, 3D CAD inside each stage). With CAD over the whole
 DP x PP group, tick-synchronous: ``greedy`` and ``distca``, one plan per tick."""
 
 TICK_POLICIES = ("greedy", "distca")
@@ -692,11 +747,22 @@ def p2p_s(arch: Arch, tokens: int, hw: Hardware) -> float:
     return tokens * arch.hidden * 2 / TP / hw.ib_bytes_per_s
 
 
-def _layer_phases(c: RankCosts, lin_f, bwd_factor: float, pingpong: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Per-rank forward and backward seconds of one layer (``lin_f`` a scalar or an array [R])."""
-    fwd = _phase(lin_f, c.attn_fwd, c.fwd_dispatch, c.fwd_return, pingpong)
-    bwd = _phase(2.0 * lin_f, bwd_factor * c.attn_fwd, c.bwd_dispatch, c.bwd_return, pingpong)
+def _layer_phases(
+    c: RankCosts, lin_f, bwd_factor: float, pingpong: bool, op_overhead: tuple[float, float] = (0.0, 0.0)
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-rank forward and backward seconds of one layer (``lin_f`` a scalar or an array [R]);
+    ``op_overhead`` as in :func:`step_time`."""
+    fwd = _phase(lin_f, c.attn_fwd + op_overhead[0], c.fwd_dispatch, c.fwd_return, pingpong, c.latency[:2])
+    bwd = _phase(
+        2.0 * lin_f, bwd_factor * c.attn_fwd + op_overhead[1], c.bwd_dispatch, c.bwd_return, pingpong, c.latency[2:]
+    )
     return fwd, bwd
+
+
+def _op_overhead(pingpong: bool) -> tuple[float, float]:
+    """:data:`OP_OVERHEAD_S` per layer for a policy on distca's op: one call, or one per nano-batch."""
+    calls = 2 if pingpong else 1
+    return calls * OP_OVERHEAD_S[0], calls * OP_OVERHEAD_S[1]
 
 
 def _spread(x: np.ndarray) -> float:
@@ -722,45 +788,51 @@ class PPStep(NamedTuple):
 
 def pp_gpipe_step(
     fwd_layer: np.ndarray, bwd_layer: np.ndarray, attn: np.ndarray, groups: np.ndarray,
-    pp: int, layers: int, lin_f: float, head_f: float, bwd_factor: float, p2p: float,
+    pp: int, layers: int, lin_f, head_f, bwd_factor: float, p2p: float,
 ) -> PPStep:  # fmt: skip
     """A step of a policy without CAD across stages.
 
     ``fwd_layer``, ``bwd_layer``, ``attn``: [M, DP] per-layer seconds of each micro-batch on each DP rank
     of a stage (every stage runs the same micro-batch with the same per-layer times; the last adds the LM
-    head). ``groups`` [DP]: ranks with one id form one pipeline replica and wait for each other at every
-    stage's micro-batch (its CP group); replicas only meet at the step's end (gradient sync).
+    head). ``lin_f``, ``head_f``: one layer's linear and the LM head's forward seconds, scalars or [M, DP]
+    (``wlb_ideal``'s micro-batches hold different token counts). ``groups`` [DP]: ranks with one id form
+    one pipeline replica and wait for each other at every stage's micro-batch (its CP group); replicas
+    only meet at the step's end (gradient sync).
     """
     M, DP = fwd_layer.shape
+    lin = np.broadcast_to(np.asarray(lin_f, dtype=np.float64), (M, DP))
+    head = np.broadcast_to(np.asarray(head_f, dtype=np.float64), (M, DP))
     ids = np.unique(groups)
-    fg = np.stack([fwd_layer[:, groups == g].max(axis=1) for g in ids])  # [G, M]
-    bg = np.stack([bwd_layer[:, groups == g].max(axis=1) for g in ids])
-    f = np.repeat(layers * fg[:, None, :], pp, axis=1)
-    b = np.repeat(layers * bg[:, None, :], pp, axis=1)
-    f[:, -1] += head_f
-    b[:, -1] += 2.0 * head_f
+    gmax = lambda x: np.stack([x[:, groups == g].max(axis=1) for g in ids])  # noqa: E731 - [G, M]
+    f = np.repeat(layers * gmax(fwd_layer)[:, None, :], pp, axis=1)
+    b = np.repeat(layers * gmax(bwd_layer)[:, None, :], pp, axis=1)
+    hg = gmax(head)
+    f[:, -1] += hg
+    b[:, -1] += 2.0 * hg
     step = float(gpipe_time(f, b, p2p).max())
-    comp = layers * (3.0 * lin_f + (1.0 + bwd_factor) * attn)  # [M, DP] per stage-micro-batch
+    comp = layers * (3.0 * lin + (1.0 + bwd_factor) * attn)  # [M, DP] per stage-micro-batch
     sp, sp_all = [], []
     for t in range(M + pp - 1):
-        rows = [comp[m] + (3.0 * head_f if s == pp - 1 else 0.0) if m is not None else np.zeros(DP)
+        rows = [comp[m] + (3.0 * head[m] if s == pp - 1 else 0.0) if m is not None else np.zeros(DP)
                 for s, m in enumerate(tick_microbatches(t, pp, M))]  # fmt: skip
         x = np.concatenate(rows)
         act = np.repeat([m is not None for m in tick_microbatches(t, pp, M)], DP)
         sp.append(_spread(x[act]))
         sp_all.append(_spread(x))
-    total = pp * float(comp.sum()) + 3.0 * head_f * M * DP
+    total = pp * float(comp.sum()) + 3.0 * float(head.sum())
     return PPStep(step, float(np.mean(sp)), float(np.mean(sp_all)), 1.0 - total / (pp * DP * step), math.nan)
 
 
 def pp_tick_step(
     ticks: list[tuple[RankCosts, np.ndarray]], pp: int, layers: int, lin_f: float, head_f: float,
-    bwd_factor: float, pingpong: bool, p2p: float,
+    bwd_factor: float, pingpong: bool, p2p: float, op_overhead: tuple[float, float] = (0.0, 0.0),
 ) -> PPStep:  # fmt: skip
     """A tick-synchronous step with CAD: ``ticks[t]`` = (RankCosts over R ranks, active mask [R]) of
     forward tick t. Each tick lasts as long as its slowest rank (the CA all-to-all and the P2P at the
     tick boundary couple them); backward tick u reuses forward tick M + P - 2 - u's plan and ranks, so
-    the step is the sum over t of both. One P2P transfer per tick boundary, exposed."""
+    the step is the sum over t of both. One P2P transfer per tick boundary, exposed. ``op_overhead``
+    (per layer, as in :func:`step_time`) is paid by every rank: idle stages' ranks run the op as
+    servers."""
     step, sp, sp_all, comp_total, bound = 0.0, [], [], 0.0, 0.0
     R = len(ticks[0][1])
     for c, active in ticks:
@@ -768,7 +840,7 @@ def pp_tick_step(
         last = np.zeros(R, dtype=bool)
         last[(pp - 1) * DP :] = active[(pp - 1) * DP :]
         lin = lin_f * active
-        fwd, bwd = _layer_phases(c, lin, bwd_factor, pingpong)
+        fwd, bwd = _layer_phases(c, lin, bwd_factor, pingpong, op_overhead)
         fwd = layers * fwd + head_f * last
         bwd = layers * bwd + 2.0 * head_f * last
         step += float(fwd.max()) + float(bwd.max())
@@ -782,6 +854,58 @@ def pp_tick_step(
     return PPStep(step, float(np.mean(sp)), float(np.mean(sp_all)), 1.0 - comp_total / (R * step), bound)
 
 
+class WlbMicrobatches(NamedTuple):
+    """:func:`wlb_ideal_microbatches`'s result: M micro-batches over one stage's DP ranks."""
+
+    costs: list[RankCosts]
+    """Per micro-batch, RankCosts over the DP ranks (groups of c consecutive ranks, one bin each)."""
+    tokens: np.ndarray
+    """int [M, DP]: tokens each rank holds in each micro-batch (equal inside a group)."""
+    loads: np.ndarray
+    """float [M * DP]: modelled CA forward seconds per rank and micro-batch."""
+    plan_s: float
+
+
+def wlb_ideal_microbatches(mbs: list[Layout], c: int, arch: Arch, ctx: int, layers_per_stage: int, shape, cm,
+                           hw: Hardware, tolerance: float) -> WlbMicrobatches:  # fmt: skip
+    """WLB-ideal with pipeline parallelism at CP degree ``c``: WLB-LLM balances micro-batches too, so
+    every whole document of the step's M micro-batches goes to one of M x DP / c bins (:func:`wlb_pack`,
+    each of c ranks x ``ctx`` tokens nominal, at most :func:`wlb_cap` times that); bin i is
+    micro-batch i mod M of replica i // M, costed as per-document CP inside its group (:func:`wlb_cp`)."""
+    M, DP = len(mbs), mbs[0].ranks
+    G = DP // c
+    lens = np.concatenate([lay.doc_lens[np.setdiff1d(np.arange(lay.num_docs), np.asarray(lay.padding, dtype=np.int64))]
+                           for lay in mbs])  # fmt: skip
+    pp = arch.layers // layers_per_stage
+    packs = wlb_pack(lens, G * M, c, ctx, arch, cm, hw, wlb_cap(arch, ctx, DP, pp, M))
+    parts: list[list[RankCosts]] = [[None] * G for _ in range(M)]
+    tokens = np.zeros((M, DP), dtype=np.int64)
+    loads = np.zeros((M, DP))
+    plan_s = 0.0
+    for i, bin_lens in enumerate(packs):
+        m, g = i % M, i // M
+        tok = int(sum(bin_lens))
+        T = max(1, -(-tok // c))
+        pad = c * T - tok
+        glay = Layout(tuple(np.concatenate([[0], np.cumsum(bin_lens + ([pad] if pad else []))]).tolist()), c, T,
+                      padding=(len(bin_lens),) if pad else ())  # fmt: skip
+        w = wlb_cp(glay, c, shape, cm, tolerance)
+        plan_s += w.plan_s
+        parts[m][g] = wlb_costs(w.loads, w.ag_bytes, c, hw)
+        tokens[m, g * c : (g + 1) * c] = T
+        loads[m, g * c : (g + 1) * c] = w.loads
+    costs = [_concat_costs(row, c) for row in parts]
+    return WlbMicrobatches(costs, tokens, loads.ravel(), plan_s)
+
+
+def _concat_costs(parts: list[RankCosts], c: int) -> RankCosts:
+    """One RankCosts over the ranks of ``parts`` in order (groups of ``c`` consecutive ranks)."""
+    cat = [np.concatenate([getattr(p, f) for p in parts]) for f in RankCosts._fields[:5]]
+    R = sum(len(p.attn_fwd) for p in parts)
+    lat = tuple(max(p.latency[k] for p in parts) for k in range(4))
+    return RankCosts(*cat, np.arange(R) // c, np.concatenate([p.fwd_bytes_gpu for p in parts]), lat)
+
+
 def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: int, args) -> list[dict]:
     """Every --pp policy x {no ping-pong, ping-pong} for one (model, doclens, gpus, context, P, M)."""
     arch, shape = ARCHS[model], MODEL_SHAPES[model]
@@ -789,19 +913,21 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
     DP, layers = R // pp, arch.layers // pp
     cm = load_cost_model(COST_MODEL).for_shape(shape)
     pool = load_doclens(dist)
-    hw = Hardware(args.mfu, args.ib_gbs * 1e9, not args.half_duplex)
+    hw = Hardware(args.mfu, args.ib_gbs * 1e9, not args.half_duplex, args.latency_scale)
     lin_f, head_f, p2p = linear_fwd_s(arch, ctx, hw), head_fwd_s(arch, ctx, hw), p2p_s(arch, ctx, hw)
     bf = cm.bwd_factor
     cps = [1 << k for k in range(int(math.log2(DP)) + 1) if DP % (1 << k) == 0]
     acc: dict[tuple[str, bool], list] = {}  # (policy, pingpong) -> [(PPStep, imbalance, plan ms, extra)]
     n_ticks = mb + pp - 1
 
-    def gpipe(costs, groups, imb, ms, extra=None):
+    def gpipe(costs, groups, imb, ms, extra=None, op=False, lin=lin_f, head=head_f):
         for ppg in (False, True):
-            fb = [_layer_phases(c, lin_f, bf, ppg) for c in costs]
+            ovh = _op_overhead(ppg) if op else (0.0, 0.0)
+            lin_m = np.broadcast_to(lin, (mb, DP))
+            fb = [_layer_phases(c, lin_m[m], bf, ppg, ovh) for m, c in enumerate(costs)]
             st = pp_gpipe_step(
                 np.stack([x[0] for x in fb]), np.stack([x[1] for x in fb]), np.stack([c.attn_fwd for c in costs]),
-                groups, pp, layers, lin_f, head_f, bf, p2p,
+                groups, pp, layers, lin, head, bf, p2p,
             )  # fmt: skip
             yield ppg, (st, imb, ms, extra)
 
@@ -818,18 +944,28 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
                     costs.append(rank_costs(p.loads, p.traffic, shape, np.zeros(DP, dtype=np.int64), hw))
                     imb.append(p.imbalance)
                 groups = np.arange(DP) if policy == "colocated" else np.zeros(DP, dtype=np.int64)
-                for ppg, item in gpipe(costs, groups, float(np.mean(imb)), ms / mb):
+                for ppg, item in gpipe(costs, groups, float(np.mean(imb)), ms / mb, op=True):
                     acc.setdefault((policy, ppg), []).append(item)
-            elif policy == "wlb_cp":
+            elif policy in ("wlb_cp", "wlb_ideal"):
                 best: dict[bool, tuple] = {}
                 for c in cps:
-                    costs, imb, ms = [], [], 0.0
-                    for lay in mbs:
-                        w = wlb_cp(lay, c, shape, cm, args.tolerance)
-                        ms += w.plan_s * 1e3
-                        costs.append(wlb_costs(w.loads, w.ag_bytes, c, hw))
-                        imb.append(_spread(w.loads))
-                    for ppg, item in gpipe(costs, np.arange(DP) // c, float(np.mean(imb)), ms / mb, c):
+                    if policy == "wlb_cp":
+                        costs, imb, ms = [], [], 0.0
+                        for lay in mbs:
+                            w = wlb_cp(lay, c, shape, cm, args.tolerance)
+                            ms += w.plan_s * 1e3
+                            costs.append(wlb_costs(w.loads, w.ag_bytes, c, hw))
+                            imb.append(_spread(w.loads))
+                        items = gpipe(costs, np.arange(DP) // c, float(np.mean(imb)), ms / mb, (c, 1.0))
+                    else:
+                        w = wlb_ideal_microbatches(mbs, c, arch, ctx, layers, shape, cm, hw, args.tolerance)
+                        lin = np.vectorize(lambda n: linear_fwd_s(arch, int(n), hw))(w.tokens)
+                        head = np.vectorize(lambda n: head_fwd_s(arch, int(n), hw))(w.tokens)
+                        # GPipe holds all M micro-batches: a rank's memory is its tokens over the step.
+                        extra = (c, float(w.tokens.sum(axis=0).max()) / (mb * ctx))
+                        items = gpipe(w.costs, np.arange(DP) // c, _spread(w.loads), w.plan_s * 1e3 / mb, extra,
+                                      lin=lin, head=head)  # fmt: skip
+                    for ppg, item in items:
                         if ppg not in best or item[0].step_s < best[ppg][0].step_s:
                             best[ppg] = item
                 for ppg, item in best.items():
@@ -844,11 +980,12 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
                     ticks.append((rank_costs(p.loads, p.traffic, shape, np.zeros(R, dtype=np.int64), hw), active))
                     imb.append(p.imbalance)
                 for ppg in (False, True):
-                    st = pp_tick_step(ticks, pp, layers, lin_f, head_f, bf, ppg, p2p)
+                    st = pp_tick_step(ticks, pp, layers, lin_f, head_f, bf, ppg, p2p, _op_overhead(ppg))
                     acc.setdefault((policy, ppg), []).append((st, float(np.mean(imb)), ms / n_ticks, None))
     settings = {
         "tolerance": args.tolerance, "mfu": hw.linear_mfu, "ib_gbs": hw.ib_bytes_per_s / 1e9,
-        "full_duplex": hw.full_duplex, "upsample": args.upsample, "upsample_threshold": args.upsample_threshold,
+        "full_duplex": hw.full_duplex, "latency_scale": hw.latency_scale, "upsample": args.upsample,
+        "upsample_threshold": args.upsample_threshold,
         "cut_docs": args.cut_docs, "cost_model": COST_MODEL,
     }  # fmt: skip
     rows = []
@@ -871,11 +1008,16 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
         }  # fmt: skip
         if policy in TICK_POLICIES:
             row["bound_s"] = float(np.mean([x.bound_s for x in sts]))
-        if policy == "wlb_cp":
-            cs = [i[3] for i in items]
+        if policy in ("wlb_cp", "wlb_ideal"):
+            cs = [i[3][0] for i in items]
             row["cp"] = max(sorted(set(cs)), key=cs.count)
+        if policy == "wlb_ideal":
+            # Variable-length packing can hold more tokens on a rank than ctx: its memory follows them.
+            ratio = max(i[3][1] for i in items)
+            row["max_tokens_ratio"] = ratio
+            row.update(memory_per_gpu(arch, int(ratio * ctx), DP, pp, mb))
         rows.append(row)
-    _add_speedups(rows, ("wlb_cp", "colocated", "distca_stage"))
+    _add_speedups(rows, ("wlb_cp", "wlb_ideal", "colocated", "distca_stage"))
     for r in rows:
         r["paper_4d_vs_wlb"] = list(PAPER_4D[(model, dist)])
     order = {p: i for i, p in enumerate(PP_POLICIES)}
@@ -964,31 +1106,41 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _paper_cell(v: float, ci: list[float] | None, paper: tuple[float, float]) -> str:
+    """``speedup [interval]  where``: where the interval (the point with fewer than 3 seeds) lies
+    relative to the paper's range: above, below, within, or overlap."""
+    lo, hi = ci if ci else (v, v)
+    where = ("above" if lo > paper[1] else "below" if hi < paper[0]
+             else "within" if paper[0] <= lo and hi <= paper[1] else "overlap")  # fmt: skip
+    iv = f"[{lo:.2f}, {hi:.2f}]" if ci else "(< 3 seeds)"
+    return f"{v:>6.2f} {iv:<14}{'':>5} {where:>7}"
+
+
 def paper_table(rows: list[dict]) -> str:
     """Side by side per (model, doclens, GPUs, context): the paper's 3D range against WLB-ideal, and
     distca with ping-pong against ``wlb_ideal`` with and without overlap: speedup (ratio of mean
     step times) [95% interval over seeds], and where the simulator's interval lies relative to the
-    paper's range (above, within, overlapping, below)."""
+    paper's range (above, within, overlapping, below); mem: whether distca / wlb_ideal fit."""
     sel = [r for r in rows if r.get("policy") == "distca" and r.get("pingpong") and "step_s" in r]
+    wlbi = {(r["model"], r["doclens"], r["gpus"], r["context"]): r for r in rows
+            if r.get("policy") == "wlb_ideal" and r.get("pingpong") and "step_s" in r}  # fmt: skip
     head = (f"{'model':<10} {'doclens':<8} {'gpus':>4} {'ctx':>4} | {'paper 3D':>9} | "
             f"{'vs wlbi, both overlapped':>26} {'':>7} | {'vs wlbi without overlap':>26} {'':>7} | mem")  # fmt: skip
     out = [head, "-" * len(head)]
 
     def cell(r, key, paper):
-        v, ci = r.get(key), r.get(key + "_ci95")
-        if v is None:
-            return f"{'-':>26} {'':>7}"
-        lo, hi = ci if ci else (v, v)
-        where = "above" if lo > paper[1] else "below" if hi < paper[0] else "within" if paper[0] <= lo and hi <= paper[1] else "overlap"
-        return f"{v:>6.2f} [{lo:.2f}, {hi:.2f}]{'':>9} {where:>7}"
+        v = r.get(key)
+        return f"{'-':>26} {'':>7}" if v is None else _paper_cell(v, r.get(key + "_ci95"), paper)
 
     for r in sorted(sel, key=lambda r: (r["model"], r["doclens"], r["gpus"], r["context"])):
         paper = PAPER_3D[r["doclens"]]
         out.append(
             f"{r['model']:<10} {r['doclens']:<8} {r['gpus']:>4} {_k(r['context']):>4} | "
             f"{paper[0]:.2f}-{paper[1]:.2f} | {cell(r, 'speedup_vs_wlb_ideal', paper)} | "
-            f"{cell(r, 'speedup_vs_wlb_ideal_no_pp', paper)} | {'ok' if r.get('fits_memory', True) else '!mem'}"
-        )
+            f"{cell(r, 'speedup_vs_wlb_ideal_no_pp', paper)} | "
+            + "/".join("ok" if x.get("fits_memory", True) else "!mem"
+                       for x in (r, wlbi.get((r["model"], r["doclens"], r["gpus"], r["context"]), {})))
+        )  # fmt: skip
     return "\n".join(out)
 
 
@@ -1004,7 +1156,7 @@ def pp_table(rows: list[dict]) -> str:
         f"{'model':<10} {'doclens':<8} {'gpus':>4} {'ctx':>4} {'P':>2} {'M':>3} {'pp':>3} | "
         + " ".join(f"{names.get(p, p):>9}" for p in pols)
         + f" | {'cp':>3} {'bubble':>6} | {'spread':>11} {'idle':>11} | "
-        + f"{'x wlb':>5} {'x wlb0':>6} {'x coloc':>7} {'x stage':>7} | {'/bound':>6} {'plan ms':>7}"
+        + f"{'x wlbi':>6} {'x wlbi0':>7} {'x wlb':>5} {'x coloc':>7} {'x stage':>7} | {'/bound':>6} {'plan ms':>7}"
     )
     lines = [head, "-" * len(head)]
     for key in sorted(groups):
@@ -1022,13 +1174,15 @@ def pp_table(rows: list[dict]) -> str:
             f"{model:<10} {dist:<8} {gpus:>4} {_k(ctx):>4} {P:>2} {any_r['microbatches']:>3} "
             f"{'on' if ppg else 'off':>3} | {cells} | {g.get('wlb_cp', {}).get('cp', '-')!s:>3} "
             f"{any_r['bubble']:>6.3f} | {two('tick_spread', '.2f'):>11} {two('idle_frac', '.2f'):>11} | "
-            f"{sp('wlb_cp'):>5} {sp('wlb_cp_no_pp'):>6} {sp('colocated'):>7} {sp('distca_stage'):>7} | "
-            f"{_fmt(gap, '.3f'):>6} {_fmt(d.get('plan_ms'), '.1f'):>7}"
-            + ("" if any_r.get("fits_memory", True) else f"  !mem {any_r['memory_gib']:.0f} GiB")
+            f"{sp('wlb_ideal'):>6} {sp('wlb_ideal_no_pp'):>7} {sp('wlb_cp'):>5} {sp('colocated'):>7} "
+            f"{sp('distca_stage'):>7} | {_fmt(gap, '.3f'):>6} {_fmt(d.get('plan_ms'), '.1f'):>7}"
+            + ("" if d.get("fits_memory", True) else f"  !mem {d['memory_gib']:.0f} GiB")
+            + ("" if g.get("wlb_ideal", {}).get("fits_memory", True) else f"  wlbi !mem {g['wlb_ideal']['memory_gib']:.0f} GiB")
         )
     if any(not r.get("fits_memory", True) for r in rows):
-        lines.append(f"!mem: estimated peak memory per GPU above {HBM_BYTES / 1e9:.0f} GB (GPipe holds all M "
-                     "micro-batches' activations; selective recomputation assumed)")  # fmt: skip
+        lines.append(f"!mem: estimated peak memory per GPU above {HBM_BYTES / 1e9:.0f} GB = {HBM_BYTES / 2**30:.0f} GiB "
+                     "(GPipe holds all M micro-batches' activations; selective recomputation assumed; wlbi: at its "
+                     "largest micro-batch)")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -1037,14 +1191,15 @@ def pp_summary(rows: list[dict]) -> str:
     side's best P, next to the paper's 4D numbers."""
     by = {(r["model"], r["doclens"], r["context"], r["gpus"], r["pp"], r["policy"], r["pingpong"]): r for r in rows}
     cols = [
-        ("pp vs wlb0", "distca", True, "wlb_cp", False),
+        ("pp vs wlbi0", "distca", True, "wlb_ideal", False),
+        ("pp vs wlbi pp", "distca", True, "wlb_ideal", True),
+        ("off vs wlbi off", "distca", False, "wlb_ideal", False),
         ("pp vs wlb pp", "distca", True, "wlb_cp", True),
-        ("off vs wlb off", "distca", False, "wlb_cp", False),
         ("pp vs stage pp", "distca", True, "distca_stage", True),
         ("pp vs coloc pp", "distca", True, "colocated", True),
     ]
-    head = f"{'model':<10} {'doclens':<8} {'ctx':>4} | " + " ".join(f"{c[0]:>14}" for c in cols)
-    head += f" | {'bestP vs wlb0':>13} {'bestP vs wlb':>12} | {'spread col>dca':>14} | paper 4D"
+    head = f"{'model':<10} {'doclens':<8} {'ctx':>4} | " + " ".join(f"{c[0]:>15}" for c in cols)
+    head += f" | {'bestP vs wlbi0':>14} {'bestP vs wlbi':>13} | {'spread col>dca':>14} | paper 4D"
     out = [head, "-" * len(head)]
     for model, dist, ctx in sorted({k[:3] for k in by}):
         keys = [k for k in by if k[:3] == (model, dist, ctx)]
@@ -1058,7 +1213,7 @@ def pp_summary(rows: list[dict]) -> str:
             v = []
             for gpus in sorted({k[3] for k in keys}):
                 d = [by[k]["step_s"] for k in keys if k[3] == gpus and k[5:] == ("distca", True)]
-                w = [by[k]["step_s"] for k in keys if k[3] == gpus and k[5:] == ("wlb_cp", bpp)]
+                w = [by[k]["step_s"] for k in keys if k[3] == gpus and k[5:] == ("wlb_ideal", bpp)]
                 if d and w:
                     v.append(min(w) / min(d))
             best.append(f"{min(v):.2f}-{max(v):.2f}" if v else "-")
@@ -1067,8 +1222,52 @@ def pp_summary(rows: list[dict]) -> str:
         spread = f"{max(sc):.2f}>{max(sd):.2f}" if sc and sd else "-"
         p4 = PAPER_4D[(model, dist)]
         out.append(
-            f"{model:<10} {dist:<8} {_k(ctx):>4} | " + " ".join(f"{c:>14}" for c in cells)
-            + f" | {best[0]:>13} {best[1]:>12} | {spread:>14} | {p4[0]:.2f}-{p4[1]:.2f}"
+            f"{model:<10} {dist:<8} {_k(ctx):>4} | " + " ".join(f"{c:>15}" for c in cells)
+            + f" | {best[0]:>14} {best[1]:>13} | {spread:>14} | {p4[0]:.2f}-{p4[1]:.2f}"
+        )
+    return "\n".join(out)
+
+
+def best_p(rows: list[dict]) -> dict[tuple, dict[tuple[str, bool], dict]]:
+    """For each (model, doclens, gpus, context) of a --pp run, each (policy, pingpong)'s row at the
+    P with the lowest mean step time, as the paper tunes every system's parallel layout."""
+    out: dict[tuple, dict[tuple[str, bool], dict]] = {}
+    for r in rows:
+        if "step_s" not in r:
+            continue
+        cell = out.setdefault((r["model"], r["doclens"], r["gpus"], r["context"]), {})
+        k = (r["policy"], r["pingpong"])
+        if k not in cell or r["step_s"] < cell[k]["step_s"]:
+            cell[k] = r
+    return out
+
+
+def pp_paper_table(rows: list[dict]) -> str:
+    """Side by side per (model, doclens, GPUs, context) of a --pp run: the paper's 4D range against
+    WLB-ideal, and distca with ping-pong against ``wlb_ideal`` with and without overlap, each side at
+    its own best P (:func:`best_p`): speedup [95% interval over seeds] and where the interval lies
+    relative to the paper's range. Seeds pair by index; at different P the batches differ."""
+    head = (f"{'model':<10} {'doclens':<8} {'gpus':>4} {'ctx':>4} | {'paper 4D':>9} | {'P':>5} | "
+            f"{'vs wlbi, both overlapped':>26} {'':>7} | {'vs wlbi without overlap':>26} {'':>7} | mem")  # fmt: skip
+    out = [head, "-" * len(head)]
+    for key, cell in sorted(best_p(rows).items()):
+        d = cell.get(("distca", True))
+        if d is None:
+            continue
+        paper = PAPER_4D[(key[0], key[1])]
+        parts = []
+        for bpp in (True, False):
+            w = cell.get(("wlb_ideal", bpp))
+            if w is None:
+                parts.append(f"{'-':>26} {'':>7}")
+                continue
+            v = w["step_s"] / d["step_s"]
+            parts.append(_paper_cell(v, _ratio_ci95(w["step_s_seeds"], d["step_s_seeds"]), paper))
+        w_p = cell.get(("wlb_ideal", True), {}).get("pp", "-")
+        mem = "/".join("ok" if x.get("fits_memory", True) else "!mem" for x in (d, cell.get(("wlb_ideal", True), {})))
+        out.append(
+            f"{key[0]:<10} {key[1]:<8} {key[2]:>4} {_k(key[3]):>4} | {paper[0]:.2f}-{paper[1]:.2f} | "
+            f"{d['pp']}/{w_p!s:<3} | {parts[0]} | {parts[1]} | {mem}"
         )
     return "\n".join(out)
 
@@ -1173,6 +1372,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ib-gbs", type=float, default=IB_BYTES_PER_S / 1e9, help="GB/s per GPU (default %(default)s)")
     ap.add_argument("--half-duplex", action="store_true", help="comm time = (sent + received) / bandwidth")
     ap.add_argument(
+        "--latency-scale", type=float, default=1.0,
+        help="multiply the per-call collective latencies (A2A_BASE_LATENCY_S, NET_HOP_LATENCY_S); 0: bandwidth only",
+    )  # fmt: skip
+    ap.add_argument(
         "--max-plan-s", type=float, default=20.0, help="skip a policy at larger sizes once one plan takes longer"
     )
     ap.add_argument("--json", action="store_true", help="one JSON object per configuration per line")
@@ -1189,21 +1392,26 @@ def _one_config(item: tuple, args) -> list[dict]:
     return simulate_config(*item, args, {})
 
 
-def _map_configs(grid: list[tuple], args):
+def _one_pp_config(item: tuple, args) -> list[dict]:
+    return simulate_pp_config(*item, args)
+
+
+def _map_configs(grid: list[tuple], args, pp: bool = False):
     """Rows of every configuration of ``grid``, in order; over ``args.jobs`` processes when more
     than one. Each configuration is independent (its own batches and plans), so the rows are the
-    same either way; ``--max-plan-s``'s skip then applies per configuration, not across them."""
+    same either way; ``--max-plan-s``'s skip (3D) then applies per configuration, not across them."""
     if args.jobs == 1 or len(grid) == 1:
         slow: dict[str, int] = {}
         for item in grid:
-            yield simulate_config(*item, args, slow)
+            yield simulate_pp_config(*item, args) if pp else simulate_config(*item, args, slow)
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from functools import partial
 
+    fn = partial(_one_pp_config if pp else _one_config, args=args)
     with ProcessPoolExecutor(min(args.jobs, len(grid)), mp_context=multiprocessing.get_context("fork")) as ex:
-        yield from ex.map(partial(_one_config, args=args), grid)
+        yield from ex.map(fn, grid)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1232,8 +1440,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--context, --seeds, --microbatches and --jobs must be >= 1")
     if not 0.0 <= args.tolerance < 1.0:
         ap.error(f"--tolerance must be in [0, 1), got {args.tolerance}")
-    if not 0.0 < args.mfu <= 1.0 or args.ib_gbs <= 0:
-        ap.error(f"--mfu must be in (0, 1] and --ib-gbs > 0, got {args.mfu} and {args.ib_gbs}")
+    if not 0.0 < args.mfu <= 1.0 or args.ib_gbs <= 0 or args.latency_scale < 0:
+        ap.error(f"--mfu must be in (0, 1], --ib-gbs > 0 and --latency-scale >= 0, got {args.mfu}, "
+                 f"{args.ib_gbs} and {args.latency_scale}")  # fmt: skip
 
     out_dir = Path(args.out)
     rows: list[dict] = []
@@ -1290,18 +1499,21 @@ def main_pp(ap: argparse.ArgumentParser, args) -> int:
     if args.quick:
         args.model = args.model or ["llama3-8b"]
         args.gpus, args.context, args.seeds = args.gpus or [64, 128], args.context or [131072], 2
+        args.jobs = args.jobs or 1
     args.seeds = 10 if args.seeds is None else args.seeds  # 30 would take ~25 min for the 4D grid
+    args.jobs = args.jobs or os.cpu_count() or 1
     args.model = args.model or list(ARCHS)
     args.doclens = args.doclens or list(DISTRIBUTIONS)
     args.policy = args.policy or list(PP_POLICIES)
     if bad := [p for p in args.policy if p not in PP_POLICIES]:
         ap.error(f"--policy {bad[0]} is not a --pp policy (choose from {list(PP_POLICIES)})")
-    if args.seeds < 1 or (args.microbatches is not None and args.microbatches < 1):
-        ap.error("--seeds and --microbatches must be >= 1")
+    if args.seeds < 1 or args.jobs < 1 or (args.microbatches is not None and args.microbatches < 1):
+        ap.error("--seeds, --jobs and --microbatches must be >= 1")
     if not 0.0 <= args.tolerance < 1.0:
         ap.error(f"--tolerance must be in [0, 1), got {args.tolerance}")
-    if not 0.0 < args.mfu <= 1.0 or args.ib_gbs <= 0:
-        ap.error(f"--mfu must be in (0, 1] and --ib-gbs > 0, got {args.mfu} and {args.ib_gbs}")
+    if not 0.0 < args.mfu <= 1.0 or args.ib_gbs <= 0 or args.latency_scale < 0:
+        ap.error(f"--mfu must be in (0, 1], --ib-gbs > 0 and --latency-scale >= 0, got {args.mfu}, "
+                 f"{args.ib_gbs} and {args.latency_scale}")  # fmt: skip
     grid = []
     for model in args.model:
         gpus_l, ctx_l = PP_GRID[model]
@@ -1316,17 +1528,16 @@ def main_pp(ap: argparse.ArgumentParser, args) -> int:
                 for ctx in sorted(args.context or ctx_l):
                     if ctx < 1:
                         ap.error("--context must be >= 1")
-                    grid.append((model, gpus, ctx, P, args.microbatches or 2 * P))
+                    for dist in args.doclens:
+                        grid.append((model, dist, gpus, ctx, P, args.microbatches or 2 * P))
     out_dir = Path(args.out)
     rows: list[dict] = []
     t0 = time.perf_counter()
-    for model, gpus, ctx, P, M in grid:
-        for dist in args.doclens:
-            new = simulate_pp_config(model, dist, gpus, ctx, P, M, args)
-            rows.extend(new)
-            if args.json:
-                for r in new:
-                    print(json.dumps(r), flush=True)
+    for new in _map_configs(grid, args, pp=True):
+        rows.extend(new)
+        if args.json:
+            for r in new:
+                print(json.dumps(r), flush=True)
     wall = time.perf_counter() - t0
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results_pp.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -1346,6 +1557,9 @@ def main_pp(ap: argparse.ArgumentParser, args) -> int:
         print(pp_table(rows))
         print()
         print(pp_summary(rows))
+        if {"wlb_ideal", "distca"} <= set(args.policy):
+            print("\ndistca (ping-pong) against the paper's WLB-ideal (wlb_ideal), each at its best P (distca/wlbi):")
+            print(pp_paper_table(rows))
         print(f"\n{wall:.1f} s; results in {out_dir / 'results_pp.jsonl'}")
     return 0
 
