@@ -96,6 +96,10 @@ ACT_BYTES_PER_TOKEN_HIDDEN = 34
 Activation Recomputation in Large Transformer Models", 2022, bf16; FlashAttention keeps no s^2
 term). An estimate: the paper's runs may store less."""
 
+ACT_FULL_BYTES_PER_TOKEN_HIDDEN = 2
+"""Activation bytes per layer per token per hidden unit over the TP degree with full recomputation:
+the layer's bf16 input only (2 s h / t, sequence-parallel), the same source."""
+
 TP_COLLECTIVES_PER_LAYER = 4
 """Megatron sequence-parallel TP collectives per layer and direction: all-gather before QKV and
 before the MLP, reduce-scatter after O and after the MLP."""
@@ -280,18 +284,27 @@ def _phase(lin, attn, disp, ret, pingpong: bool, lat: tuple[float, float] = (0.0
     )
 
 
-def memory_per_gpu(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int = 1) -> dict:
+def memory_per_gpu(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int = 1, recompute: str = "selective") -> dict:
     """Estimated peak bytes per GPU of one step (no CA buffers): activations of ``in_flight``
-    micro-batches of ``tokens`` tokens per TP group over the stage's layers
-    (``ACT_BYTES_PER_TOKEN_HIDDEN`` s h / t per layer), plus model states with Megatron's
-    distributed optimizer: bf16 parameters and gradients (4 bytes / parameter) sharded over TP x PP,
-    fp32 master weights and Adam moments (12 bytes / parameter) also over DP.
+    micro-batches of ``tokens`` tokens per TP group over the stage's layers, plus model states with
+    Megatron's distributed optimizer: bf16 parameters and gradients (4 bytes / parameter) sharded over
+    TP x PP, fp32 master weights and Adam moments (12 bytes / parameter) also over DP.
+
+    ``recompute="selective"``: ``ACT_BYTES_PER_TOKEN_HIDDEN`` s h / t per layer kept. ``"full"``: only
+    each layer's input (``ACT_FULL_BYTES_PER_TOKEN_HIDDEN`` s h / t) is kept, plus one layer's
+    selective working set while it is recomputed.
 
     Returns ``activation_gib``, ``model_state_gib``, ``memory_gib`` and ``fits_memory`` (total
     <= ``HBM_BYTES``).
     """
     layers = arch.layers / pp
-    act = ACT_BYTES_PER_TOKEN_HIDDEN * tokens * arch.hidden / TP * layers * in_flight
+    sh = tokens * arch.hidden / TP
+    if recompute == "selective":
+        act = ACT_BYTES_PER_TOKEN_HIDDEN * sh * layers * in_flight
+    elif recompute == "full":
+        act = ACT_FULL_BYTES_PER_TOKEN_HIDDEN * sh * layers * in_flight + ACT_BYTES_PER_TOKEN_HIDDEN * sh
+    else:
+        raise ValueError(f"recompute must be 'selective' or 'full', got {recompute!r}")
     states = arch.params * (4.0 / (TP * pp) + 12.0 / (TP * pp * dp))
     gib = float(1 << 30)
     return {
@@ -300,6 +313,19 @@ def memory_per_gpu(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int
         "memory_gib": (act + states) / gib,
         "fits_memory": bool(act + states <= HBM_BYTES),
     }
+
+
+def recompute_mode(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int = 1) -> str:
+    """The cheapest activation recomputation under which ``tokens`` per rank fit: ``"selective"``, else
+    ``"full"`` (which costs one more forward per layer, :func:`step_time`). ``"full"`` also when even that
+    does not fit (the row then says ``fits_memory: false`` and reports no speedup)."""
+    return "selective" if memory_per_gpu(arch, tokens, dp, pp, in_flight)["fits_memory"] else "full"
+
+
+def memory_fields(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int = 1, recompute: str | None = None) -> dict:
+    """:func:`memory_per_gpu` under ``recompute`` (default: :func:`recompute_mode`), with ``recompute``."""
+    mode = recompute or recompute_mode(arch, tokens, dp, pp, in_flight)
+    return {**memory_per_gpu(arch, tokens, dp, pp, in_flight, mode), "recompute": mode}
 
 
 def linear_fwd_s(arch: Arch, tokens: int, hw: Hardware) -> float:
@@ -333,7 +359,7 @@ class StepTime:
 
 def step_time(
     c: RankCosts, arch: Arch, tokens: int, bwd_factor: float, pingpong: bool, sync: str, hw: Hardware,
-    op_overhead: tuple[float, float] = (0.0, 0.0),
+    op_overhead: tuple[float, float] = (0.0, 0.0), recompute: str = "selective",
 ) -> StepTime:
     """Step time of one micro-batch of ``tokens`` tokens per CA rank.
 
@@ -343,6 +369,7 @@ def step_time(
     all-to-all is a collective), i.e. per-phase maxima within each group.
     ``op_overhead``: seconds per layer (forward, backward) every rank spends in the CA runtime
     beyond its kernels (:data:`OP_OVERHEAD_S` per call), on the compute stream.
+    ``recompute="full"``: the backward of every layer first reruns its forward, communication included.
     """
     lin_f = linear_fwd_s(arch, tokens, hw)
     lin_b = 2.0 * lin_f
@@ -352,17 +379,22 @@ def step_time(
     attn_b = bwd_factor * attn_f + op_overhead[1]
     attn_f = attn_f + op_overhead[0]
     lat = c.latency
-    per_layer = _phase(lin_f, attn_f, df, rf, pingpong, lat[:2]) + _phase(lin_b, attn_b, db, rb, pingpong, lat[2:])
+    fwd = _phase(lin_f, attn_f, df, rf, pingpong, lat[:2])
+    reruns = 2 if recompute == "full" else 1
+    per_layer = reruns * fwd + _phase(lin_b, attn_b, db, rb, pingpong, lat[2:])
     r = int(np.argmax(per_layer))
     head = 3.0 * head_fwd_s(arch, tokens, hw)
     L = arch.layers
-    own_compute = lin_f + lin_b + c.attn_fwd[r] * (1.0 + bwd_factor) + op_overhead[0] + op_overhead[1]
+    attn_r = float(c.attn_fwd[r])
+    own_compute = reruns * (lin_f + attn_r + op_overhead[0]) + lin_b + attn_r * bwd_factor + op_overhead[1]
+    calls = 2 if pingpong else 1
+    fwd_comm = float(c.fwd_dispatch[r] + c.fwd_return[r]) + calls * (lat[0] + lat[1])
+    bwd_comm = float(c.bwd_dispatch[r] + c.bwd_return[r]) + calls * (lat[2] + lat[3])
     return StepTime(
         step_s=L * float(per_layer[r]) + head,
-        linear_s=L * (lin_f + lin_b) + head,
-        attn_s=L * float(c.attn_fwd[r] * (1.0 + bwd_factor)),
-        comm_s=L * float(c.fwd_dispatch[r] + c.fwd_return[r] + c.bwd_dispatch[r] + c.bwd_return[r]
-                         + (2 if pingpong else 1) * sum(lat)),
+        linear_s=L * (reruns * lin_f + lin_b) + head,
+        attn_s=L * attn_r * (reruns + bwd_factor),
+        comm_s=L * (reruns * fwd_comm + bwd_comm),
         exposed_s=L * max(0.0, float(per_layer[r] - own_compute)),
         straggler=r,
     )
@@ -433,13 +465,15 @@ def wlb_costs(loads: np.ndarray, ag_bytes: np.ndarray, c: int, hw: Hardware) -> 
     return RankCosts(loads / TP, t, zero, t, t, np.arange(R) // c, 2 * per_gpu, (ring, 0.0, ring, ring))
 
 
-def wlb_cp_step(layout: Layout, c: int, arch: Arch, tokens: int, shape, cm, hw: Hardware, sync: str, tolerance: float):
+def wlb_cp_step(layout: Layout, c: int, arch: Arch, tokens: int, shape, cm, hw: Hardware, sync: str, tolerance: float,
+                recompute: str = "selective"):  # fmt: skip
     """:func:`wlb_cp` at CP degree ``c``, costed (:func:`wlb_costs`) and timed with and without
     overlap for ``tokens`` tokens per rank. Returns ({pingpong: (StepTime, RankCosts)}, per-rank
     loads, plan seconds, most tokens on one rank)."""
     _, loads, ag, ps = wlb_cp(layout, c, shape, cm, tolerance)
     rc = wlb_costs(loads, ag, c, hw)
-    by_pp = {pp: (step_time(rc, arch, tokens, cm.bwd_factor, pp, sync, hw), rc) for pp in (False, True)}
+    by_pp = {pp: (step_time(rc, arch, tokens, cm.bwd_factor, pp, sync, hw, recompute=recompute), rc)
+             for pp in (False, True)}  # fmt: skip
     return by_pp, loads, ps, tokens
 
 
@@ -449,18 +483,20 @@ WLB_TOKEN_CAP = 2.0
 (:func:`wlb_cap`)."""
 
 
-def fit_tokens(arch: Arch, dp: int, pp: int = 1, in_flight: int = 1) -> float:
+def fit_tokens(arch: Arch, dp: int, pp: int = 1, in_flight: int = 1, recompute: str = "selective") -> float:
     """Tokens per rank and micro-batch at which :func:`memory_per_gpu` reaches ``HBM_BYTES``."""
-    m = memory_per_gpu(arch, 1, dp, pp, in_flight)
-    per_token = (m["memory_gib"] - m["model_state_gib"]) * float(1 << 30)
-    return (HBM_BYTES - m["model_state_gib"] * float(1 << 30)) / per_token
+    m0 = memory_per_gpu(arch, 0, dp, pp, in_flight, recompute)
+    m1 = memory_per_gpu(arch, 1, dp, pp, in_flight, recompute)
+    gib = float(1 << 30)
+    return (HBM_BYTES - m0["memory_gib"] * gib) / ((m1["memory_gib"] - m0["memory_gib"]) * gib)
 
 
 def wlb_cap(arch: Arch, ctx: int, dp: int, pp: int = 1, in_flight: int = 1) -> float:
     """``wlb_ideal``'s bound on a group's tokens, as a multiple of c x ``ctx``: ``WLB_TOKEN_CAP``, or what
-    still fits in memory (WLB-LLM bounds its packing by memory), but never below 1 (the fixed budget
-    every policy gets, whether it fits or not)."""
-    return float(min(WLB_TOKEN_CAP, max(1.0, fit_tokens(arch, dp, pp, in_flight) / ctx)))
+    still fits in memory under the recomputation the fixed budget needs (:func:`recompute_mode`; WLB-LLM
+    bounds its packing by memory), but never below 1 (the fixed budget every policy gets)."""
+    fit = fit_tokens(arch, dp, pp, in_flight, recompute_mode(arch, ctx, dp, pp, in_flight))
+    return float(min(WLB_TOKEN_CAP, max(1.0, fit / ctx)))
 
 
 def wlb_pack(doc_lens: np.ndarray, groups: int, c: int, ctx: int, arch: Arch, cm, hw: Hardware,
@@ -498,14 +534,15 @@ def wlb_pack(doc_lens: np.ndarray, groups: int, c: int, ctx: int, arch: Arch, cm
     return out
 
 
-def wlb_ideal_step(layout: Layout, c: int, arch: Arch, ctx: int, shape, cm, hw: Hardware, sync: str, tolerance: float):
+def wlb_ideal_step(layout: Layout, c: int, arch: Arch, ctx: int, shape, cm, hw: Hardware, sync: str, tolerance: float,
+                   recompute: str = "selective"):  # fmt: skip
     """The WLB-ideal baseline at CP degree ``c``: :func:`wlb_pack` over the batch's whole documents,
     then per-document head-tail CP inside each group (:func:`wlb_cp` on the group's own layout), each
     group's linear layers on the tokens it was given. Returns ({pingpong: (StepTime, RankCosts) of
     the slowest group}, per-rank loads of all groups, plan seconds, most tokens on one rank)."""
     groups = layout.ranks // c
     real = np.setdiff1d(np.arange(layout.num_docs), np.asarray(layout.padding, dtype=np.int64))
-    packs = wlb_pack(layout.doc_lens[real], groups, c, ctx, arch, cm, hw, wlb_cap(arch, ctx, groups))
+    packs = wlb_pack(layout.doc_lens[real], groups, c, ctx, arch, cm, hw, wlb_cap(arch, ctx, layout.ranks))
     best: dict[bool, tuple] = {}
     loads_all, plan_s, most = [], 0.0, 0
     for lens in packs:
@@ -516,7 +553,7 @@ def wlb_ideal_step(layout: Layout, c: int, arch: Arch, ctx: int, shape, cm, hw: 
         pad = c * T - tok
         glay = Layout(tuple(np.concatenate([[0], np.cumsum(lens + ([pad] if pad else []))]).tolist()), c, T,
                       padding=(len(lens),) if pad else ())  # fmt: skip
-        by_pp, loads, ps, _ = wlb_cp_step(glay, c, arch, T, shape, cm, hw, sync, tolerance)
+        by_pp, loads, ps, _ = wlb_cp_step(glay, c, arch, T, shape, cm, hw, sync, tolerance, recompute)
         plan_s += ps
         most = max(most, T)
         loads_all.append(loads)
@@ -539,7 +576,8 @@ def _ratio_ci95(base: list[float], ours: list[float], n: int = 1000) -> list[flo
 
 def _add_speedups(rows: list[dict], bases: tuple[str, ...]) -> None:
     """``speedup_vs_<base>`` (same ping-pong setting) and ``speedup_vs_wlb_cp_no_pp`` on each row of
-    one configuration, as ratios of mean step times (None where the base did not run), each with
+    one configuration, as ratios of mean step times (None where the base did not run or either side
+    does not fit in memory), each with
     ``..._ci95``: its 95% interval over seeds (:func:`_ratio_ci95`)."""
     by = {(r["policy"], r["pingpong"]): r for r in rows}
     for r in rows:
@@ -547,6 +585,8 @@ def _add_speedups(rows: list[dict], bases: tuple[str, ...]) -> None:
         pairs.append(("speedup_vs_wlb_cp_no_pp", by.get(("wlb_cp", False))))
         pairs.append(("speedup_vs_wlb_ideal_no_pp", by.get(("wlb_ideal", False))))
         for key, b in pairs:
+            # A step that does not fit in memory even with full recomputation has no speedup to report.
+            b = b if b and b.get("fits_memory", True) and r.get("fits_memory", True) else None
             r[key] = round(b["step_s"] / r["step_s"], 4) if b else None
             r[key + "_ci95"] = _ratio_ci95(b["step_s_seeds"], r["step_s_seeds"]) if b and "step_s_seeds" in r else None
 
@@ -562,6 +602,7 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
     cps = [1 << k for k in range(int(math.log2(R)) + 1) if R % (1 << k) == 0]
     size = R * ctx
     hw = Hardware(args.mfu, args.ib_gbs * 1e9, not args.half_duplex, args.latency_scale)
+    mode = recompute_mode(arch, ctx, R)
     for s in range(args.seeds):
         for m in range(args.microbatches):
             lay = build_layout(pool, R, ctx, s * args.microbatches + m, args)
@@ -574,7 +615,7 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
                     step_at = wlb_cp_step if policy == "wlb_cp" else wlb_ideal_step
                     best: dict[bool, tuple] = {}  # pingpong -> (StepTime, RankCosts, loads, plan s, extra)
                     for c in cps:  # the grid search over CP degrees, per ping-pong setting
-                        by_pp, loads, ps, most = step_at(lay, c, arch, ctx, shape, cm, hw, args.sync, args.tolerance)
+                        by_pp, loads, ps, most = step_at(lay, c, arch, ctx, shape, cm, hw, args.sync, args.tolerance, mode)
                         for pp, (st, rc) in by_pp.items():
                             if pp not in best or st.step_s < best[pp][0].step_s:
                                 best[pp] = (st, rc, loads, ps, {"cp": c, "tokens": most})
@@ -590,7 +631,7 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
                     slow[policy] = size
                 rc = rank_costs(p.loads, p.traffic, shape, np.zeros(R, dtype=np.int64), hw)
                 for pp in (False, True):
-                    st = step_time(rc, arch, ctx, cm.bwd_factor, pp, args.sync, hw, _op_overhead(pp))
+                    st = step_time(rc, arch, ctx, cm.bwd_factor, pp, args.sync, hw, _op_overhead(pp), mode)
                     acc.setdefault((policy, pp), []).append((st, rc, p.loads, plan_s * 1e3, {"tasks": p.num_tasks}))
     rows = []
     mb = args.microbatches
@@ -631,7 +672,7 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
             "imbalance": float(np.mean([i[2].max() / i[2].mean() for i in items])),
             "max_gpu_fwd_bytes": float(np.mean([i[1].fwd_bytes_gpu.max() for i in items])),
             "plan_ms": float(np.mean([i[3] for i in items])),
-            **memory_per_gpu(arch, ctx, R),
+            **memory_fields(arch, ctx, R, recompute=mode),
             "settings": settings,
         }
         if policy in ("wlb_cp", "wlb_ideal"):
@@ -641,7 +682,7 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
                 # Variable-length packing can hold more tokens on a rank than ctx: its memory follows them.
                 most = max(i[4]["tokens"] for i in items)
                 row["max_tokens_ratio"] = most / ctx
-                row.update(memory_per_gpu(arch, most, R))
+                row.update(memory_fields(arch, most, R, recompute=mode))
         else:
             row["tasks"] = float(np.mean([i[4]["tasks"] for i in items]))
         rows.append(row)
@@ -788,9 +829,10 @@ class PPStep(NamedTuple):
 
 def pp_gpipe_step(
     fwd_layer: np.ndarray, bwd_layer: np.ndarray, attn: np.ndarray, groups: np.ndarray,
-    pp: int, layers: int, lin_f, head_f, bwd_factor: float, p2p: float,
+    pp: int, layers: int, lin_f, head_f, bwd_factor: float, p2p: float, recompute: str = "selective",
 ) -> PPStep:  # fmt: skip
-    """A step of a policy without CAD across stages.
+    """A step of a policy without CAD across stages (``recompute="full"``: each backward first reruns
+    the forward).
 
     ``fwd_layer``, ``bwd_layer``, ``attn``: [M, DP] per-layer seconds of each micro-batch on each DP rank
     of a stage (every stage runs the same micro-batch with the same per-layer times; the last adds the LM
@@ -800,6 +842,8 @@ def pp_gpipe_step(
     only meet at the step's end (gradient sync).
     """
     M, DP = fwd_layer.shape
+    reruns = 2 if recompute == "full" else 1
+    bwd_layer = bwd_layer + (reruns - 1) * fwd_layer
     lin = np.broadcast_to(np.asarray(lin_f, dtype=np.float64), (M, DP))
     head = np.broadcast_to(np.asarray(head_f, dtype=np.float64), (M, DP))
     ids = np.unique(groups)
@@ -810,7 +854,7 @@ def pp_gpipe_step(
     f[:, -1] += hg
     b[:, -1] += 2.0 * hg
     step = float(gpipe_time(f, b, p2p).max())
-    comp = layers * (3.0 * lin + (1.0 + bwd_factor) * attn)  # [M, DP] per stage-micro-batch
+    comp = layers * ((2.0 + reruns) * lin + (reruns + bwd_factor) * attn)  # [M, DP] per stage-micro-batch
     sp, sp_all = [], []
     for t in range(M + pp - 1):
         rows = [comp[m] + (3.0 * head[m] if s == pp - 1 else 0.0) if m is not None else np.zeros(DP)
@@ -826,13 +870,15 @@ def pp_gpipe_step(
 def pp_tick_step(
     ticks: list[tuple[RankCosts, np.ndarray]], pp: int, layers: int, lin_f: float, head_f: float,
     bwd_factor: float, pingpong: bool, p2p: float, op_overhead: tuple[float, float] = (0.0, 0.0),
+    recompute: str = "selective",
 ) -> PPStep:  # fmt: skip
     """A tick-synchronous step with CAD: ``ticks[t]`` = (RankCosts over R ranks, active mask [R]) of
     forward tick t. Each tick lasts as long as its slowest rank (the CA all-to-all and the P2P at the
     tick boundary couple them); backward tick u reuses forward tick M + P - 2 - u's plan and ranks, so
     the step is the sum over t of both. One P2P transfer per tick boundary, exposed. ``op_overhead``
     (per layer, as in :func:`step_time`) is paid by every rank: idle stages' ranks run the op as
-    servers."""
+    servers. ``recompute="full"``: each backward tick first reruns the forward tick's layers."""
+    reruns = 2 if recompute == "full" else 1
     step, sp, sp_all, comp_total, bound = 0.0, [], [], 0.0, 0.0
     R = len(ticks[0][1])
     for c, active in ticks:
@@ -841,14 +887,14 @@ def pp_tick_step(
         last[(pp - 1) * DP :] = active[(pp - 1) * DP :]
         lin = lin_f * active
         fwd, bwd = _layer_phases(c, lin, bwd_factor, pingpong, op_overhead)
+        bwd = layers * (bwd + (reruns - 1) * fwd) + 2.0 * head_f * last
         fwd = layers * fwd + head_f * last
-        bwd = layers * bwd + 2.0 * head_f * last
         step += float(fwd.max()) + float(bwd.max())
-        comp = layers * (3.0 * lin + (1.0 + bwd_factor) * c.attn_fwd) + 3.0 * head_f * last
+        comp = layers * ((2.0 + reruns) * lin + (reruns + bwd_factor) * c.attn_fwd) + 3.0 * head_f * last
         comp_total += float(comp.sum())
         sp.append(_spread(comp[active]))
         sp_all.append(_spread(comp))
-        bound += max(layers * 3.0 * lin_f + 3.0 * head_f * bool(last.any()), float(comp.sum()) / R)
+        bound += max(layers * (2.0 + reruns) * lin_f + 3.0 * head_f * bool(last.any()), float(comp.sum()) / R)
     if pp > 1:
         step += 2 * (len(ticks) - 1) * p2p
     return PPStep(step, float(np.mean(sp)), float(np.mean(sp_all)), 1.0 - comp_total / (R * step), bound)
@@ -919,6 +965,7 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
     cps = [1 << k for k in range(int(math.log2(DP)) + 1) if DP % (1 << k) == 0]
     acc: dict[tuple[str, bool], list] = {}  # (policy, pingpong) -> [(PPStep, imbalance, plan ms, extra)]
     n_ticks = mb + pp - 1
+    mode = recompute_mode(arch, ctx, DP, pp, mb)
 
     def gpipe(costs, groups, imb, ms, extra=None, op=False, lin=lin_f, head=head_f):
         for ppg in (False, True):
@@ -927,7 +974,7 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
             fb = [_layer_phases(c, lin_m[m], bf, ppg, ovh) for m, c in enumerate(costs)]
             st = pp_gpipe_step(
                 np.stack([x[0] for x in fb]), np.stack([x[1] for x in fb]), np.stack([c.attn_fwd for c in costs]),
-                groups, pp, layers, lin, head, bf, p2p,
+                groups, pp, layers, lin, head, bf, p2p, mode,
             )  # fmt: skip
             yield ppg, (st, imb, ms, extra)
 
@@ -980,7 +1027,7 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
                     ticks.append((rank_costs(p.loads, p.traffic, shape, np.zeros(R, dtype=np.int64), hw), active))
                     imb.append(p.imbalance)
                 for ppg in (False, True):
-                    st = pp_tick_step(ticks, pp, layers, lin_f, head_f, bf, ppg, p2p, _op_overhead(ppg))
+                    st = pp_tick_step(ticks, pp, layers, lin_f, head_f, bf, ppg, p2p, _op_overhead(ppg), mode)
                     acc.setdefault((policy, ppg), []).append((st, float(np.mean(imb)), ms / n_ticks, None))
     settings = {
         "tolerance": args.tolerance, "mfu": hw.linear_mfu, "ib_gbs": hw.ib_bytes_per_s / 1e9,
@@ -1003,7 +1050,7 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
             "tick_spread": float(np.mean([x.tick_spread for x in sts])),
             "tick_spread_all": float(np.mean([x.tick_spread_all for x in sts])),
             "imbalance": float(np.mean([i[1] for i in items])), "plan_ms": float(np.mean([i[2] for i in items])),
-            **memory_per_gpu(arch, ctx, DP, pp, mb),  # GPipe: all M micro-batches' activations at the peak
+            **memory_fields(arch, ctx, DP, pp, mb, mode),  # GPipe: all M micro-batches' activations at the peak
             "settings": settings,
         }  # fmt: skip
         if policy in TICK_POLICIES:
@@ -1015,7 +1062,7 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
             # Variable-length packing can hold more tokens on a rank than ctx: its memory follows them.
             ratio = max(i[3][1] for i in items)
             row["max_tokens_ratio"] = ratio
-            row.update(memory_per_gpu(arch, int(ratio * ctx), DP, pp, mb))
+            row.update(memory_fields(arch, int(ratio * ctx), DP, pp, mb, mode))
         rows.append(row)
     _add_speedups(rows, ("wlb_cp", "wlb_ideal", "colocated", "distca_stage"))
     for r in rows:
@@ -1026,6 +1073,19 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
 
 
 # ---- output ----------------------------------------------------------------------------
+
+
+def _mem(r: dict) -> str:
+    """A row's memory mark: ``sel`` (fits with selective recomputation), ``full`` (needs full
+    recomputation, which its step time pays), ``!mem`` (does not fit even then: no speedup)."""
+    if not r.get("fits_memory", True):
+        return "!mem"
+    return "full" if r.get("recompute") == "full" else "sel"
+
+
+_MEM_NOTE = (f"full: the estimated peak memory per GPU with selective recomputation is above {HBM_BYTES / 1e9:.0f} GB, "
+             "so the step recomputes every layer's forward in its backward (charged); !mem: above it even then "
+             "(no speedup reported)")  # fmt: skip
 
 
 def _k(n: int) -> str:
@@ -1055,7 +1115,7 @@ def table(rows: list[dict]) -> str:
         model, dist, pp, gpus, ctx = key
         cells = " ".join(f"{g[p]['step_s']:>10.2f}" if p in g else f"{'-':>10}" for p in pols)
         d = g.get("distca", {})
-        oom = "" if d.get("fits_memory", True) else f"  !mem {d['memory_gib']:.0f} GiB"
+        oom = "" if _mem(d) == "sel" else f"  {_mem(d)} {d['memory_gib']:.0f} GiB"
         sp = lambda base: _fmt(d.get(f"speedup_vs_{base}"))
         lines.append(
             f"{model:<10} {dist:<8} {gpus:>4} {_k(ctx):>4} {'on' if pp else 'off':>3} | {cells} | "
@@ -1063,9 +1123,8 @@ def table(rows: list[dict]) -> str:
             f"{sp('colocated'):>7} {sp('wlb_cp_no_pp'):>6} | {_fmt(d.get('plan_ms'), '.1f'):>7}{oom}"
         )
     notes = sorted({f"{r['policy']}: {r['note']}" for r in rows if "note" in r})
-    if any(not r.get("fits_memory", True) for r in rows):
-        notes.append(f"!mem: estimated peak memory per GPU above {HBM_BYTES / 1e9:.0f} GB (memory_per_gpu: "
-                     "selective recomputation assumed); that step would need full recomputation or PP")  # fmt: skip
+    if any(_mem(r) != "sel" for r in rows if "step_s" in r):
+        notes.append(_MEM_NOTE)
     return "\n".join(lines + [f"note: {n}" for n in notes])
 
 
@@ -1094,15 +1153,15 @@ def summary(rows: list[dict]) -> str:
                 r for k, r in sel.items() if k[:3] == (model, dist, ctx) and k[4] == pp and r.get(f"speedup_vs_{base}")
             ]
             v = [r[f"speedup_vs_{base}"] for r in rs]
-            oom = "!" if any(not r.get("fits_memory", True) for r in rs) else ""
+            oom = "*" if any(_mem(r) == "full" for r in rs) else ""
             cells.append(f"{min(v):.2f}-{max(v):.2f}{oom}" if v else "-")
         p3, p4 = PAPER_3D[dist], PAPER_4D[(model, dist)]
         out.append(
             f"{model:<10} {dist:<8} {_k(ctx):>4} | " + " ".join(f"{c:>14}" for c in cells)
             + f" | {p3[0]:.2f}-{p3[1]:.2f} | <= {p4[1]:.2f}"
         )
-    if any(not r.get("fits_memory", True) for r in sel.values()):
-        out.append("! includes configurations whose estimated memory per GPU exceeds the HBM (see the table's !mem)")
+    if any(_mem(r) == "full" for r in sel.values()):
+        out.append("* includes configurations with full recomputation (see the table's full)")
     return "\n".join(out)
 
 
@@ -1120,7 +1179,7 @@ def paper_table(rows: list[dict]) -> str:
     """Side by side per (model, doclens, GPUs, context): the paper's 3D range against WLB-ideal, and
     distca with ping-pong against ``wlb_ideal`` with and without overlap: speedup (ratio of mean
     step times) [95% interval over seeds], and where the simulator's interval lies relative to the
-    paper's range (above, within, overlapping, below); mem: whether distca / wlb_ideal fit."""
+    paper's range (above, within, overlapping, below); mem: distca's / wlb_ideal's :func:`_mem`."""
     sel = [r for r in rows if r.get("policy") == "distca" and r.get("pingpong") and "step_s" in r]
     wlbi = {(r["model"], r["doclens"], r["gpus"], r["context"]): r for r in rows
             if r.get("policy") == "wlb_ideal" and r.get("pingpong") and "step_s" in r}  # fmt: skip
@@ -1138,8 +1197,7 @@ def paper_table(rows: list[dict]) -> str:
             f"{r['model']:<10} {r['doclens']:<8} {r['gpus']:>4} {_k(r['context']):>4} | "
             f"{paper[0]:.2f}-{paper[1]:.2f} | {cell(r, 'speedup_vs_wlb_ideal', paper)} | "
             f"{cell(r, 'speedup_vs_wlb_ideal_no_pp', paper)} | "
-            + "/".join("ok" if x.get("fits_memory", True) else "!mem"
-                       for x in (r, wlbi.get((r["model"], r["doclens"], r["gpus"], r["context"]), {})))
+            + "/".join(_mem(x) for x in (r, wlbi.get((r["model"], r["doclens"], r["gpus"], r["context"]), {})))
         )  # fmt: skip
     return "\n".join(out)
 
@@ -1176,13 +1234,11 @@ def pp_table(rows: list[dict]) -> str:
             f"{any_r['bubble']:>6.3f} | {two('tick_spread', '.2f'):>11} {two('idle_frac', '.2f'):>11} | "
             f"{sp('wlb_ideal'):>6} {sp('wlb_ideal_no_pp'):>7} {sp('wlb_cp'):>5} {sp('colocated'):>7} "
             f"{sp('distca_stage'):>7} | {_fmt(gap, '.3f'):>6} {_fmt(d.get('plan_ms'), '.1f'):>7}"
-            + ("" if d.get("fits_memory", True) else f"  !mem {d['memory_gib']:.0f} GiB")
-            + ("" if g.get("wlb_ideal", {}).get("fits_memory", True) else f"  wlbi !mem {g['wlb_ideal']['memory_gib']:.0f} GiB")
+            + ("" if _mem(d) == "sel" else f"  {_mem(d)} {d['memory_gib']:.0f} GiB")
+            + ("" if _mem(g.get("wlb_ideal", {})) == "sel" else f"  wlbi {_mem(g['wlb_ideal'])} {g['wlb_ideal']['memory_gib']:.0f} GiB")
         )
-    if any(not r.get("fits_memory", True) for r in rows):
-        lines.append(f"!mem: estimated peak memory per GPU above {HBM_BYTES / 1e9:.0f} GB = {HBM_BYTES / 2**30:.0f} GiB "
-                     "(GPipe holds all M micro-batches' activations; selective recomputation assumed; wlbi: at its "
-                     "largest micro-batch)")  # fmt: skip
+    if any(_mem(r) != "sel" for r in rows):
+        lines.append(_MEM_NOTE + "; GPipe holds all M micro-batches' activations (wlbi: its ranks' own tokens)")
     return "\n".join(lines)
 
 
@@ -1264,7 +1320,7 @@ def pp_paper_table(rows: list[dict]) -> str:
             v = w["step_s"] / d["step_s"]
             parts.append(_paper_cell(v, _ratio_ci95(w["step_s_seeds"], d["step_s_seeds"]), paper))
         w_p = cell.get(("wlb_ideal", True), {}).get("pp", "-")
-        mem = "/".join("ok" if x.get("fits_memory", True) else "!mem" for x in (d, cell.get(("wlb_ideal", True), {})))
+        mem = "/".join(_mem(x) for x in (d, cell.get(("wlb_ideal", True), {})))
         out.append(
             f"{key[0]:<10} {key[1]:<8} {key[2]:>4} {_k(key[3]):>4} | {paper[0]:.2f}-{paper[1]:.2f} | "
             f"{d['pp']}/{w_p!s:<3} | {parts[0]} | {parts[1]} | {mem}"

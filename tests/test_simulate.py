@@ -316,25 +316,47 @@ def test_pp_cli_rejects_bad_stage_count():
         simulate.main(["--pp", "3", "--gpus", "64", "--no-plot"])  # 8 CA ranks are not divisible by 3
 
 
-def test_memory_estimate_marks_what_does_not_fit(quick):
-    """memory_per_gpu is 34 s h / t bytes per layer of activations plus sharded model states, and it
-    marks the configurations a 141 GB GPU cannot hold."""
+def test_memory_estimate_picks_the_recomputation_that_fits(quick):
+    """memory_per_gpu is 34 s h / t bytes per layer of activations (selective recomputation) or 2 s h / t
+    per layer plus one layer's 34 s h / t (full), plus sharded model states; a configuration a 141 GB GPU
+    cannot hold with selective recomputation uses full recomputation, and one that does not fit even then
+    reports no speedup."""
     a8, a34 = simulate.ARCHS["llama3-8b"], simulate.ARCHS["llama3-34b"]
     m = simulate.memory_per_gpu(a8, 131072, dp=8)
-    act = 34 * 131072 * 4096 / 8 * 32
+    sh = 131072 * 4096 / 8
+    act = 34 * sh * 32
     states = a8.params * (4 / 8 + 12 / 64)
     assert m["activation_gib"] * 2**30 == pytest.approx(act) and m["model_state_gib"] * 2**30 == pytest.approx(states)
     assert m["fits_memory"] and m["memory_gib"] * 2**30 == pytest.approx(act + states)
-    assert not simulate.memory_per_gpu(a8, 262144, dp=8)["fits_memory"]  # 8B at 256K per node
-    assert not simulate.memory_per_gpu(a34, 131072, dp=8)["fits_memory"]  # 34B at 128K per node
+    full = simulate.memory_per_gpu(a8, 131072, dp=8, recompute="full")
+    assert full["activation_gib"] * 2**30 == pytest.approx(2 * sh * 32 + 34 * sh)
+    assert simulate.recompute_mode(a8, 131072, 8) == "selective"
+    assert simulate.recompute_mode(a8, 262144, 8) == "full"  # 8B at 256K per node
+    assert simulate.recompute_mode(a34, 131072, 8) == "full"  # 34B at 128K per node
+    assert not simulate.memory_per_gpu(a34, 4 << 20, 8, recompute="full")["fits_memory"]
+    with pytest.raises(ValueError, match="recompute"):
+        simulate.memory_per_gpu(a8, 1024, 8, recompute="none")
     # PP: a stage holds L / P layers, but GPipe keeps all M micro-batches' activations.
     pp = simulate.memory_per_gpu(a8, 131072, dp=2, pp=4, in_flight=8)
     assert pp["activation_gib"] == pytest.approx(m["activation_gib"] / 4 * 8)
-    rows, _ = quick  # 8B at 128K: every row fits, and the tables have no memory mark
-    assert all(r["fits_memory"] for r in rows if "step_s" in r)
-    assert "!mem" not in simulate.table(rows) and "!" not in simulate.summary(rows)
-    big = [{**r, "fits_memory": False, "memory_gib": 200.0} for r in rows]
-    assert "!mem 200 GiB" in simulate.table(big) and "!" in simulate.summary(big)
+    # Full recomputation reruns every layer's forward, communication included.
+    rng = np.random.default_rng(0)
+    rc = simulate.RankCosts(*(np.full(4, x) for x in rng.uniform(0.001, 0.01, 5)), np.zeros(4, dtype=np.int64), np.zeros(4))
+    hw = simulate.Hardware()
+    sel = simulate.step_time(rc, a8, 131072, 2.8, False, "step", hw)
+    rec = simulate.step_time(rc, a8, 131072, 2.8, False, "step", hw, recompute="full")
+    fwd = simulate.linear_fwd_s(a8, 131072, hw) + rc.attn_fwd[0] + rc.fwd_dispatch[0] + rc.fwd_return[0]
+    assert rec.step_s - sel.step_s == pytest.approx(a8.layers * fwd)
+    rows, _ = quick  # 8B at 128K: every row fits with selective recomputation; the tables have no mark
+    assert all(r["recompute"] == "selective" and r["fits_memory"] for r in rows if "step_s" in r)
+    assert " full " not in simulate.table(rows) and "*" not in simulate.summary(rows)
+    marked = [{**r, "recompute": "full", "memory_gib": 100.0} for r in rows]
+    assert "full 100 GiB" in simulate.table(marked) and "*" in simulate.summary(marked)
+    gone = [{k: v for k, v in r.items() if not k.startswith("speedup")} for r in rows]
+    gone = [{**r, "fits_memory": False} if r["policy"] == "distca" else r for r in gone]
+    simulate._add_speedups(gone, ("wlb_ideal",))
+    assert all(r["speedup_vs_wlb_ideal"] is None for r in gone if r["policy"] == "distca")
+    assert any(r["speedup_vs_wlb_ideal"] is not None for r in gone if r["policy"] == "greedy")
 
 
 def test_wlb_pack_places_every_document_once_and_balances_work():
@@ -456,7 +478,10 @@ def test_wlb_cap_follows_the_memory_estimate():
     assert simulate.memory_per_gpu(a8, int(fit), 8)["memory_gib"] * 2**30 == pytest.approx(simulate.HBM_BYTES, rel=1e-4)
     assert simulate.wlb_cap(a8, 32768, 8) == simulate.WLB_TOKEN_CAP  # plenty of room
     assert simulate.wlb_cap(a8, int(fit / 1.5), 8) == pytest.approx(1.5, rel=1e-4)
-    assert simulate.wlb_cap(a34, 524288, 8) == 1.0  # does not fit even at the fixed budget
+    # 34B at 512K needs full recomputation: the cap is what fits under it.
+    fit_full = simulate.fit_tokens(a34, 8, recompute="full")
+    assert simulate.wlb_cap(a34, 524288, 8) == pytest.approx(min(2.0, fit_full / 524288)) and fit_full > 524288
+    assert simulate.wlb_cap(a34, 4 << 20, 8) == 1.0  # does not fit even at the fixed budget
 
 
 def test_wlb_ideal_microbatches_repack_every_document_into_balanced_bins():
