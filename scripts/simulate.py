@@ -7,10 +7,10 @@ attention with ``distca.plan`` (``colocated``, ``per_doc_cp``, ``greedy``,
 a step time with and without ping-pong overlap, and puts the speedups next to
 the ones the DistCA paper reports. See ``docs/simulator.md`` for the model.
 
-    python scripts/simulate.py                       # full grid, table + outputs/simulate/speedup.png
-    python scripts/simulate.py --quick               # small subset (< 60 s on 2 cores)
+    python scripts/simulate.py                       # full 3D grid, 30 seeds, table + outputs/simulate/speedup.png
+    python scripts/simulate.py --quick               # small subset (a few seconds)
     python scripts/simulate.py --model llama3-8b --gpus 128 --context 262144 --doclens prolong --json
-    python scripts/simulate.py --pp                  # 4D: P = 2, 4, 8 stages, M = 2P micro-batches (~8.5 min)
+    python scripts/simulate.py --pp                  # 4D: P = 2, 4, 8 stages, M = 2P micro-batches, 30 seeds
     python scripts/simulate.py --quick --pp          # 4D subset (a few seconds)
 
 With --json: one JSON object per (model, doclens, gpus, context, policy, pingpong) per line
@@ -41,6 +41,8 @@ import numpy as np
 from distca import MODEL_SHAPES, Layout, load_cost_model, plan
 from distca.cost import traffic
 from distca.doclens import DISTRIBUTIONS, load_doclens, sample_doclens
+from distca.planner.per_doc_cp import head_tail
+from distca.planner.plans import task_columns
 
 # ---- constants (every number the model uses, with its source) -------------------------
 
@@ -87,6 +89,11 @@ NET_HOP_LATENCY_S = 6.6e-6
 NET, Ring / Simple). An all-to-all sends to all peers at once (one step); a ring all-gather or
 reduce-scatter over c ranks takes c - 1 steps."""
 
+HBM_BYTES_PER_S = 4.8e12
+"""Bytes/s of H200 HBM (NVIDIA datasheet: 4.8 TB/s). The runtime packs every exchanged row into one
+send buffer and unpacks what it receives (``distca.exchange``): each byte sent or received is read
+and written once on the compute stream, charged at this rate (an assumption: copies at peak)."""
+
 HBM_BYTES = 141e9
 """Bytes of HBM per H200 GPU (NVIDIA datasheet: 141 GB)."""
 
@@ -103,6 +110,11 @@ the layer's bf16 input only (2 s h / t, sequence-parallel), the same source."""
 TP_COLLECTIVES_PER_LAYER = 4
 """Megatron sequence-parallel TP collectives per layer and direction: all-gather before QKV and
 before the MLP, reduce-scatter after O and after the MLP."""
+
+WLB_TOKEN_CAP = 2.0
+"""``wlb_ideal``'s packing bound: a DP group of c ranks takes at most this x c x context tokens
+(variable-length packing trades tokens for attention), and less where the memory estimate says so
+(:func:`wlb_cap`)."""
 
 # Speedups the paper reports versus WLB-ideal (DistCA Figs. 9-10 via secondary summaries; see
 # docs/simulator.md). 3D = TP + DP (+ CA); 4D adds pipeline parallelism.
@@ -176,6 +188,18 @@ class Hardware:
     False: comm = (sent + received) / bandwidth."""
     latency_scale: float = 1.0
     """Multiplies :data:`A2A_BASE_LATENCY_S` and :data:`NET_HOP_LATENCY_S` (0: bandwidth only)."""
+    wlb_token_cap: float = WLB_TOKEN_CAP
+    """``wlb_ideal``'s packing bound before memory (:data:`WLB_TOKEN_CAP`, :func:`wlb_cap`)."""
+    op_overhead_scale: float = 1.0
+    """Multiplies :data:`OP_OVERHEAD_S` (0: the op costs only its kernels)."""
+    hbm_bytes: float = HBM_BYTES
+    """Bytes of GPU memory the recomputation choice (:func:`recompute_mode`) and WLB's cap must fit."""
+
+    def op_overhead(self, pingpong: bool) -> tuple[float, float]:
+        """:data:`OP_OVERHEAD_S` per layer (fwd, bwd) for a policy on distca's op: one call, or one per
+        nano-batch with ping-pong."""
+        k = (2 if pingpong else 1) * self.op_overhead_scale
+        return k * OP_OVERHEAD_S[0], k * OP_OVERHEAD_S[1]
 
     def a2a_latency_s(self) -> float:
         """Seconds per all-to-all call: launch plus one network step (every peer at once)."""
@@ -209,6 +233,9 @@ class RankCosts(NamedTuple):
     latency: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     """Seconds of fixed latency per call of (fwd dispatch, fwd return, bwd dispatch, bwd return),
     paid once per nano-batch (twice per layer and direction with ping-pong)."""
+    copy_s: tuple = (0.0, 0.0)
+    """Seconds per layer (fwd, bwd; scalars or [R]) of packing and unpacking exchanged rows, on the
+    compute stream (not overlapped)."""
 
 
 def rank_costs(loads, tr, shape, groups, hw: Hardware) -> RankCosts:
@@ -229,7 +256,7 @@ def rank_costs(loads, tr, shape, groups, hw: Hardware) -> RankCosts:
         return (np.maximum(sent, recv) if hw.full_duplex else sent + recv), sent + recv
 
     fwd_t, fwd_b = per_rank(tr.fwd.astype(np.float64))
-    bwd_t, _ = per_rank(tr.bwd.astype(np.float64))
+    bwd_t, bwd_b = per_rank(tr.bwd.astype(np.float64))
     fwd_tot, bwd_tot = float(tr.fwd.sum()), float(tr.bwd.sum())
     disp_f = float(tr.server_recv_fwd.sum())
     q_rows = (fwd_tot - disp_f) / (shape.q_row + shape.lse_row)
@@ -249,6 +276,7 @@ def rank_costs(loads, tr, shape, groups, hw: Hardware) -> RankCosts:
         groups=np.asarray(groups),
         fwd_bytes_gpu=fwd_b,
         latency=(lat, lat, lat, lat),
+        copy_s=(2.0 * fwd_b / HBM_BYTES_PER_S, 2.0 * bwd_b / HBM_BYTES_PER_S),
     )
 
 
@@ -284,7 +312,8 @@ def _phase(lin, attn, disp, ret, pingpong: bool, lat: tuple[float, float] = (0.0
     )
 
 
-def memory_per_gpu(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int = 1, recompute: str = "selective") -> dict:
+def memory_per_gpu(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int = 1, recompute: str = "selective",
+                   hbm: float = HBM_BYTES) -> dict:  # fmt: skip
     """Estimated peak bytes per GPU of one step (no CA buffers): activations of ``in_flight``
     micro-batches of ``tokens`` tokens per TP group over the stage's layers, plus model states with
     Megatron's distributed optimizer: bf16 parameters and gradients (4 bytes / parameter) sharded over
@@ -295,7 +324,7 @@ def memory_per_gpu(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int
     selective working set while it is recomputed.
 
     Returns ``activation_gib``, ``model_state_gib``, ``memory_gib`` and ``fits_memory`` (total
-    <= ``HBM_BYTES``).
+    <= ``hbm`` bytes).
     """
     layers = arch.layers / pp
     sh = tokens * arch.hidden / TP
@@ -311,21 +340,22 @@ def memory_per_gpu(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int
         "activation_gib": act / gib,
         "model_state_gib": states / gib,
         "memory_gib": (act + states) / gib,
-        "fits_memory": bool(act + states <= HBM_BYTES),
+        "fits_memory": bool(act + states <= hbm),
     }
 
 
-def recompute_mode(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int = 1) -> str:
+def recompute_mode(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int = 1, hbm: float = HBM_BYTES) -> str:
     """The cheapest activation recomputation under which ``tokens`` per rank fit: ``"selective"``, else
     ``"full"`` (which costs one more forward per layer, :func:`step_time`). ``"full"`` also when even that
     does not fit (the row then says ``fits_memory: false`` and reports no speedup)."""
-    return "selective" if memory_per_gpu(arch, tokens, dp, pp, in_flight)["fits_memory"] else "full"
+    return "selective" if memory_per_gpu(arch, tokens, dp, pp, in_flight, hbm=hbm)["fits_memory"] else "full"
 
 
-def memory_fields(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int = 1, recompute: str | None = None) -> dict:
+def memory_fields(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int = 1, recompute: str | None = None,
+                  hbm: float = HBM_BYTES) -> dict:  # fmt: skip
     """:func:`memory_per_gpu` under ``recompute`` (default: :func:`recompute_mode`), with ``recompute``."""
-    mode = recompute or recompute_mode(arch, tokens, dp, pp, in_flight)
-    return {**memory_per_gpu(arch, tokens, dp, pp, in_flight, mode), "recompute": mode}
+    mode = recompute or recompute_mode(arch, tokens, dp, pp, in_flight, hbm)
+    return {**memory_per_gpu(arch, tokens, dp, pp, in_flight, mode, hbm), "recompute": mode}
 
 
 def linear_fwd_s(arch: Arch, tokens: int, hw: Hardware) -> float:
@@ -376,8 +406,8 @@ def step_time(
     attn_f, df, rf, db, rb = c.attn_fwd, c.fwd_dispatch, c.fwd_return, c.bwd_dispatch, c.bwd_return
     if sync == "layer":
         attn_f, df, rf, db, rb = (_group_max(x, c.groups) for x in (attn_f, df, rf, db, rb))
-    attn_b = bwd_factor * attn_f + op_overhead[1]
-    attn_f = attn_f + op_overhead[0]
+    attn_b = bwd_factor * attn_f + op_overhead[1] + c.copy_s[1]
+    attn_f = attn_f + op_overhead[0] + c.copy_s[0]
     lat = c.latency
     fwd = _phase(lin_f, attn_f, df, rf, pingpong, lat[:2])
     reruns = 2 if recompute == "full" else 1
@@ -386,7 +416,8 @@ def step_time(
     head = 3.0 * head_fwd_s(arch, tokens, hw)
     L = arch.layers
     attn_r = float(c.attn_fwd[r])
-    own_compute = reruns * (lin_f + attn_r + op_overhead[0]) + lin_b + attn_r * bwd_factor + op_overhead[1]
+    cf, cb = (float(np.broadcast_to(x, len(per_layer))[r]) for x in c.copy_s)
+    own_compute = reruns * (lin_f + attn_r + op_overhead[0] + cf) + lin_b + attn_r * bwd_factor + op_overhead[1] + cb
     calls = 2 if pingpong else 1
     fwd_comm = float(c.fwd_dispatch[r] + c.fwd_return[r]) + calls * (lat[0] + lat[1])
     bwd_comm = float(c.bwd_dispatch[r] + c.bwd_return[r]) + calls * (lat[2] + lat[3])
@@ -416,6 +447,10 @@ def build_layout(dist_pool: np.ndarray, ranks: int, tokens: int, seed: int, args
     return lay
 
 
+MIN_SHARD = 128
+"""Smallest CP chunk in tokens of the WLB baselines: ``distca.plan``'s default ``min_shard``."""
+
+
 class WlbPlan(NamedTuple):
     """:func:`wlb_cp`'s result."""
 
@@ -429,7 +464,7 @@ class WlbPlan(NamedTuple):
     """Seconds spent in ``distca.plan`` for all groups."""
 
 
-def wlb_cp(layout: Layout, c: int, shape, cm, tolerance: float) -> WlbPlan:
+def wlb_cp(layout: Layout, c: int, shape, cm) -> WlbPlan:
     """The WLB-ideal stand-in at CP degree ``c``: the planner's ``wlb_cp`` policy (per-document
     head-tail CP inside groups of ``c`` consecutive ranks, DP = R / c; a document is served by
     the group where it starts), costed as real per-document CP runs.
@@ -442,13 +477,15 @@ def wlb_cp(layout: Layout, c: int, shape, cm, tolerance: float) -> WlbPlan:
     """
     R = layout.ranks
     t0 = time.perf_counter()
-    p = plan(layout, "wlb_cp", cp_degree=c, tolerance=tolerance, shape=shape, cost_model=cm)
+    # The tasks of plan(layout, "wlb_cp", cp_degree=c), without the plan's dispatch traffic, which
+    # real CP does not have (a test checks they are the same tasks).
+    doc, qs, qe, srv = task_columns(layout, *head_tail(layout, MIN_SHARD, c))
     plan_s = time.perf_counter() - t0
-    tk = p.tasks
-    doc, qs, qe, srv = tk[:, 0], tk[:, 1], tk[:, 2], tk[:, 3]
+    tk = np.stack([doc, qs, qe, srv], axis=1)
     loads = np.bincount(srv, cm.task_time(qs, qe), R)
-    pairs = np.unique(doc * R + srv)  # (doc, server) pairs taking part
-    pdoc, psrv = pairs // R, pairs % R
+    # (doc, server) pairs taking part: task_columns sorts by (server, doc), so a pair starts where either changes.
+    first = np.r_[True, (srv[1:] != srv[:-1]) | (doc[1:] != doc[:-1])] if doc.size else np.zeros(0, bool)
+    pdoc, psrv = doc[first], srv[first]
     k = np.bincount(pdoc, minlength=layout.num_docs)[pdoc]
     rows = layout.doc_lens[pdoc] * (k - 1) / k
     ag_bytes = np.bincount(psrv, rows * shape.kv_row, R)
@@ -465,38 +502,35 @@ def wlb_costs(loads: np.ndarray, ag_bytes: np.ndarray, c: int, hw: Hardware) -> 
     return RankCosts(loads / TP, t, zero, t, t, np.arange(R) // c, 2 * per_gpu, (ring, 0.0, ring, ring))
 
 
-def wlb_cp_step(layout: Layout, c: int, arch: Arch, tokens: int, shape, cm, hw: Hardware, sync: str, tolerance: float,
+def wlb_cp_step(layout: Layout, c: int, arch: Arch, tokens: int, shape, cm, hw: Hardware, sync: str,
                 recompute: str = "selective"):  # fmt: skip
     """:func:`wlb_cp` at CP degree ``c``, costed (:func:`wlb_costs`) and timed with and without
     overlap for ``tokens`` tokens per rank. Returns ({pingpong: (StepTime, RankCosts)}, per-rank
     loads, plan seconds, most tokens on one rank)."""
-    _, loads, ag, ps = wlb_cp(layout, c, shape, cm, tolerance)
+    _, loads, ag, ps = wlb_cp(layout, c, shape, cm)
     rc = wlb_costs(loads, ag, c, hw)
     by_pp = {pp: (step_time(rc, arch, tokens, cm.bwd_factor, pp, sync, hw, recompute=recompute), rc)
              for pp in (False, True)}  # fmt: skip
     return by_pp, loads, ps, tokens
 
 
-WLB_TOKEN_CAP = 2.0
-"""``wlb_ideal``'s packing bound: a DP group of c ranks takes at most this x c x context tokens
-(variable-length packing trades tokens for attention), and less where the memory estimate says so
-(:func:`wlb_cap`)."""
-
-
-def fit_tokens(arch: Arch, dp: int, pp: int = 1, in_flight: int = 1, recompute: str = "selective") -> float:
-    """Tokens per rank and micro-batch at which :func:`memory_per_gpu` reaches ``HBM_BYTES``."""
+def fit_tokens(arch: Arch, dp: int, pp: int = 1, in_flight: int = 1, recompute: str = "selective",
+               hbm: float = HBM_BYTES) -> float:  # fmt: skip
+    """Tokens per rank and micro-batch at which :func:`memory_per_gpu` reaches ``hbm`` bytes."""
     m0 = memory_per_gpu(arch, 0, dp, pp, in_flight, recompute)
     m1 = memory_per_gpu(arch, 1, dp, pp, in_flight, recompute)
     gib = float(1 << 30)
-    return (HBM_BYTES - m0["memory_gib"] * gib) / ((m1["memory_gib"] - m0["memory_gib"]) * gib)
+    return (hbm - m0["memory_gib"] * gib) / ((m1["memory_gib"] - m0["memory_gib"]) * gib)
 
 
-def wlb_cap(arch: Arch, ctx: int, dp: int, pp: int = 1, in_flight: int = 1) -> float:
-    """``wlb_ideal``'s bound on a group's tokens, as a multiple of c x ``ctx``: ``WLB_TOKEN_CAP``, or what
-    still fits in memory under the recomputation the fixed budget needs (:func:`recompute_mode`; WLB-LLM
-    bounds its packing by memory), but never below 1 (the fixed budget every policy gets)."""
-    fit = fit_tokens(arch, dp, pp, in_flight, recompute_mode(arch, ctx, dp, pp, in_flight))
-    return float(min(WLB_TOKEN_CAP, max(1.0, fit / ctx)))
+def wlb_cap(arch: Arch, ctx: int, dp: int, pp: int = 1, in_flight: int = 1, hw: Hardware | None = None) -> float:
+    """``wlb_ideal``'s bound on a group's tokens, as a multiple of c x ``ctx``: ``hw.wlb_token_cap``, or
+    what still fits in ``hw.hbm_bytes`` under the recomputation the fixed budget needs
+    (:func:`recompute_mode`; WLB-LLM bounds its packing by memory), but never below 1 (the fixed
+    budget every policy gets)."""
+    hw = hw or Hardware()
+    fit = fit_tokens(arch, dp, pp, in_flight, recompute_mode(arch, ctx, dp, pp, in_flight, hw.hbm_bytes), hw.hbm_bytes)
+    return float(min(hw.wlb_token_cap, max(1.0, fit / ctx)))
 
 
 def wlb_pack(doc_lens: np.ndarray, groups: int, c: int, ctx: int, arch: Arch, cm, hw: Hardware,
@@ -534,7 +568,7 @@ def wlb_pack(doc_lens: np.ndarray, groups: int, c: int, ctx: int, arch: Arch, cm
     return out
 
 
-def wlb_ideal_step(layout: Layout, c: int, arch: Arch, ctx: int, shape, cm, hw: Hardware, sync: str, tolerance: float,
+def wlb_ideal_step(layout: Layout, c: int, arch: Arch, ctx: int, shape, cm, hw: Hardware, sync: str,
                    recompute: str = "selective"):  # fmt: skip
     """The WLB-ideal baseline at CP degree ``c``: :func:`wlb_pack` over the batch's whole documents,
     then per-document head-tail CP inside each group (:func:`wlb_cp` on the group's own layout), each
@@ -542,7 +576,7 @@ def wlb_ideal_step(layout: Layout, c: int, arch: Arch, ctx: int, shape, cm, hw: 
     the slowest group}, per-rank loads of all groups, plan seconds, most tokens on one rank)."""
     groups = layout.ranks // c
     real = np.setdiff1d(np.arange(layout.num_docs), np.asarray(layout.padding, dtype=np.int64))
-    packs = wlb_pack(layout.doc_lens[real], groups, c, ctx, arch, cm, hw, wlb_cap(arch, ctx, layout.ranks))
+    packs = wlb_pack(layout.doc_lens[real], groups, c, ctx, arch, cm, hw, wlb_cap(arch, ctx, layout.ranks, hw=hw))
     best: dict[bool, tuple] = {}
     loads_all, plan_s, most = [], 0.0, 0
     for lens in packs:
@@ -553,7 +587,7 @@ def wlb_ideal_step(layout: Layout, c: int, arch: Arch, ctx: int, shape, cm, hw: 
         pad = c * T - tok
         glay = Layout(tuple(np.concatenate([[0], np.cumsum(lens + ([pad] if pad else []))]).tolist()), c, T,
                       padding=(len(lens),) if pad else ())  # fmt: skip
-        by_pp, loads, ps, _ = wlb_cp_step(glay, c, arch, T, shape, cm, hw, sync, tolerance, recompute)
+        by_pp, loads, ps, _ = wlb_cp_step(glay, c, arch, T, shape, cm, hw, sync, recompute)
         plan_s += ps
         most = max(most, T)
         loads_all.append(loads)
@@ -601,8 +635,9 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
     notes: dict[str, str] = {}
     cps = [1 << k for k in range(int(math.log2(R)) + 1) if R % (1 << k) == 0]
     size = R * ctx
-    hw = Hardware(args.mfu, args.ib_gbs * 1e9, not args.half_duplex, args.latency_scale)
-    mode = recompute_mode(arch, ctx, R)
+    hw = Hardware(args.mfu, args.ib_gbs * 1e9, not args.half_duplex, args.latency_scale, args.wlb_token_cap,
+                  args.op_overhead_scale, args.hbm_gb * 1e9)
+    mode = recompute_mode(arch, ctx, R, hbm=hw.hbm_bytes)
     for s in range(args.seeds):
         for m in range(args.microbatches):
             lay = build_layout(pool, R, ctx, s * args.microbatches + m, args)
@@ -615,7 +650,7 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
                     step_at = wlb_cp_step if policy == "wlb_cp" else wlb_ideal_step
                     best: dict[bool, tuple] = {}  # pingpong -> (StepTime, RankCosts, loads, plan s, extra)
                     for c in cps:  # the grid search over CP degrees, per ping-pong setting
-                        by_pp, loads, ps, most = step_at(lay, c, arch, ctx, shape, cm, hw, args.sync, args.tolerance, mode)
+                        by_pp, loads, ps, most = step_at(lay, c, arch, ctx, shape, cm, hw, args.sync, mode)
                         for pp, (st, rc) in by_pp.items():
                             if pp not in best or st.step_s < best[pp][0].step_s:
                                 best[pp] = (st, rc, loads, ps, {"cp": c, "tokens": most})
@@ -631,7 +666,7 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
                     slow[policy] = size
                 rc = rank_costs(p.loads, p.traffic, shape, np.zeros(R, dtype=np.int64), hw)
                 for pp in (False, True):
-                    st = step_time(rc, arch, ctx, cm.bwd_factor, pp, args.sync, hw, _op_overhead(pp), mode)
+                    st = step_time(rc, arch, ctx, cm.bwd_factor, pp, args.sync, hw, hw.op_overhead(pp), mode)
                     acc.setdefault((policy, pp), []).append((st, rc, p.loads, plan_s * 1e3, {"tasks": p.num_tasks}))
     rows = []
     mb = args.microbatches
@@ -642,6 +677,9 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
         "ib_gbs": hw.ib_bytes_per_s / 1e9,
         "full_duplex": hw.full_duplex,
         "latency_scale": hw.latency_scale,
+        "wlb_token_cap": hw.wlb_token_cap,
+        "op_overhead_scale": hw.op_overhead_scale,
+        "hbm_gb": hw.hbm_bytes / 1e9,
         "upsample": args.upsample,
         "upsample_threshold": args.upsample_threshold,
         "cut_docs": args.cut_docs,
@@ -672,7 +710,7 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
             "imbalance": float(np.mean([i[2].max() / i[2].mean() for i in items])),
             "max_gpu_fwd_bytes": float(np.mean([i[1].fwd_bytes_gpu.max() for i in items])),
             "plan_ms": float(np.mean([i[3] for i in items])),
-            **memory_fields(arch, ctx, R, recompute=mode),
+            **memory_fields(arch, ctx, R, recompute=mode, hbm=hw.hbm_bytes),
             "settings": settings,
         }
         if policy in ("wlb_cp", "wlb_ideal"):
@@ -682,7 +720,7 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
                 # Variable-length packing can hold more tokens on a rank than ctx: its memory follows them.
                 most = max(i[4]["tokens"] for i in items)
                 row["max_tokens_ratio"] = most / ctx
-                row.update(memory_fields(arch, most, R, recompute=mode))
+                row.update(memory_fields(arch, most, R, recompute=mode, hbm=hw.hbm_bytes))
         else:
             row["tasks"] = float(np.mean([i[4]["tasks"] for i in items]))
         rows.append(row)
@@ -793,17 +831,11 @@ def _layer_phases(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-rank forward and backward seconds of one layer (``lin_f`` a scalar or an array [R]);
     ``op_overhead`` as in :func:`step_time`."""
-    fwd = _phase(lin_f, c.attn_fwd + op_overhead[0], c.fwd_dispatch, c.fwd_return, pingpong, c.latency[:2])
-    bwd = _phase(
-        2.0 * lin_f, bwd_factor * c.attn_fwd + op_overhead[1], c.bwd_dispatch, c.bwd_return, pingpong, c.latency[2:]
-    )
+    attn_f = c.attn_fwd + op_overhead[0] + c.copy_s[0]
+    attn_b = bwd_factor * c.attn_fwd + op_overhead[1] + c.copy_s[1]
+    fwd = _phase(lin_f, attn_f, c.fwd_dispatch, c.fwd_return, pingpong, c.latency[:2])
+    bwd = _phase(2.0 * lin_f, attn_b, c.bwd_dispatch, c.bwd_return, pingpong, c.latency[2:])
     return fwd, bwd
-
-
-def _op_overhead(pingpong: bool) -> tuple[float, float]:
-    """:data:`OP_OVERHEAD_S` per layer for a policy on distca's op: one call, or one per nano-batch."""
-    calls = 2 if pingpong else 1
-    return calls * OP_OVERHEAD_S[0], calls * OP_OVERHEAD_S[1]
 
 
 def _spread(x: np.ndarray) -> float:
@@ -913,7 +945,7 @@ class WlbMicrobatches(NamedTuple):
 
 
 def wlb_ideal_microbatches(mbs: list[Layout], c: int, arch: Arch, ctx: int, layers_per_stage: int, shape, cm,
-                           hw: Hardware, tolerance: float) -> WlbMicrobatches:  # fmt: skip
+                           hw: Hardware) -> WlbMicrobatches:  # fmt: skip
     """WLB-ideal with pipeline parallelism at CP degree ``c``: WLB-LLM balances micro-batches too, so
     every whole document of the step's M micro-batches goes to one of M x DP / c bins (:func:`wlb_pack`,
     each of c ranks x ``ctx`` tokens nominal, at most :func:`wlb_cap` times that); bin i is
@@ -923,7 +955,8 @@ def wlb_ideal_microbatches(mbs: list[Layout], c: int, arch: Arch, ctx: int, laye
     lens = np.concatenate([lay.doc_lens[np.setdiff1d(np.arange(lay.num_docs), np.asarray(lay.padding, dtype=np.int64))]
                            for lay in mbs])  # fmt: skip
     pp = arch.layers // layers_per_stage
-    packs = wlb_pack(lens, G * M, c, ctx, arch, cm, hw, wlb_cap(arch, ctx, DP, pp, M))
+    # A 1F1B baseline holds min(P, M) micro-batches (see simulate_pp_config).
+    packs = wlb_pack(lens, G * M, c, ctx, arch, cm, hw, wlb_cap(arch, ctx, DP, pp, min(pp, M), hw))
     parts: list[list[RankCosts]] = [[None] * G for _ in range(M)]
     tokens = np.zeros((M, DP), dtype=np.int64)
     loads = np.zeros((M, DP))
@@ -935,7 +968,7 @@ def wlb_ideal_microbatches(mbs: list[Layout], c: int, arch: Arch, ctx: int, laye
         pad = c * T - tok
         glay = Layout(tuple(np.concatenate([[0], np.cumsum(bin_lens + ([pad] if pad else []))]).tolist()), c, T,
                       padding=(len(bin_lens),) if pad else ())  # fmt: skip
-        w = wlb_cp(glay, c, shape, cm, tolerance)
+        w = wlb_cp(glay, c, shape, cm)
         plan_s += w.plan_s
         parts[m][g] = wlb_costs(w.loads, w.ag_bytes, c, hw)
         tokens[m, g * c : (g + 1) * c] = T
@@ -949,7 +982,8 @@ def _concat_costs(parts: list[RankCosts], c: int) -> RankCosts:
     cat = [np.concatenate([getattr(p, f) for p in parts]) for f in RankCosts._fields[:5]]
     R = sum(len(p.attn_fwd) for p in parts)
     lat = tuple(max(p.latency[k] for p in parts) for k in range(4))
-    return RankCosts(*cat, np.arange(R) // c, np.concatenate([p.fwd_bytes_gpu for p in parts]), lat)
+    copy = tuple(np.concatenate([np.broadcast_to(p.copy_s[k], len(p.attn_fwd)) for p in parts]) for k in range(2))
+    return RankCosts(*cat, np.arange(R) // c, np.concatenate([p.fwd_bytes_gpu for p in parts]), lat, copy)
 
 
 def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: int, args) -> list[dict]:
@@ -959,22 +993,27 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
     DP, layers = R // pp, arch.layers // pp
     cm = load_cost_model(COST_MODEL).for_shape(shape)
     pool = load_doclens(dist)
-    hw = Hardware(args.mfu, args.ib_gbs * 1e9, not args.half_duplex, args.latency_scale)
+    hw = Hardware(args.mfu, args.ib_gbs * 1e9, not args.half_duplex, args.latency_scale, args.wlb_token_cap,
+                  args.op_overhead_scale, args.hbm_gb * 1e9)
     lin_f, head_f, p2p = linear_fwd_s(arch, ctx, hw), head_fwd_s(arch, ctx, hw), p2p_s(arch, ctx, hw)
     bf = cm.bwd_factor
     cps = [1 << k for k in range(int(math.log2(DP)) + 1) if DP % (1 << k) == 0]
     acc: dict[tuple[str, bool], list] = {}  # (policy, pingpong) -> [(PPStep, imbalance, plan ms, extra)]
     n_ticks = mb + pp - 1
-    mode = recompute_mode(arch, ctx, DP, pp, mb)
+    # Memory: the tick schedule (the paper's code and ours) runs every forward before any backward and
+    # holds all M micro-batches; the baselines without CAD would run Megatron's 1F1B, same bubble,
+    # holding min(P, M). Each side uses the cheapest recomputation its own schedule fits with.
+    flight = {"tick": mb, "gpipe": min(pp, mb)}
+    mode = {k: recompute_mode(arch, ctx, DP, pp, n, hw.hbm_bytes) for k, n in flight.items()}
 
     def gpipe(costs, groups, imb, ms, extra=None, op=False, lin=lin_f, head=head_f):
         for ppg in (False, True):
-            ovh = _op_overhead(ppg) if op else (0.0, 0.0)
+            ovh = hw.op_overhead(ppg) if op else (0.0, 0.0)
             lin_m = np.broadcast_to(lin, (mb, DP))
             fb = [_layer_phases(c, lin_m[m], bf, ppg, ovh) for m, c in enumerate(costs)]
             st = pp_gpipe_step(
                 np.stack([x[0] for x in fb]), np.stack([x[1] for x in fb]), np.stack([c.attn_fwd for c in costs]),
-                groups, pp, layers, lin, head, bf, p2p, mode,
+                groups, pp, layers, lin, head, bf, p2p, mode["gpipe"],
             )  # fmt: skip
             yield ppg, (st, imb, ms, extra)
 
@@ -999,17 +1038,16 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
                     if policy == "wlb_cp":
                         costs, imb, ms = [], [], 0.0
                         for lay in mbs:
-                            w = wlb_cp(lay, c, shape, cm, args.tolerance)
+                            w = wlb_cp(lay, c, shape, cm)
                             ms += w.plan_s * 1e3
                             costs.append(wlb_costs(w.loads, w.ag_bytes, c, hw))
                             imb.append(_spread(w.loads))
                         items = gpipe(costs, np.arange(DP) // c, float(np.mean(imb)), ms / mb, (c, 1.0))
                     else:
-                        w = wlb_ideal_microbatches(mbs, c, arch, ctx, layers, shape, cm, hw, args.tolerance)
+                        w = wlb_ideal_microbatches(mbs, c, arch, ctx, layers, shape, cm, hw)
                         lin = np.vectorize(lambda n: linear_fwd_s(arch, int(n), hw))(w.tokens)
                         head = np.vectorize(lambda n: head_fwd_s(arch, int(n), hw))(w.tokens)
-                        # GPipe holds all M micro-batches: a rank's memory is its tokens over the step.
-                        extra = (c, float(w.tokens.sum(axis=0).max()) / (mb * ctx))
+                        extra = (c, float(w.tokens.max()) / ctx)  # its largest micro-batch, for memory
                         items = gpipe(w.costs, np.arange(DP) // c, _spread(w.loads), w.plan_s * 1e3 / mb, extra,
                                       lin=lin, head=head)  # fmt: skip
                     for ppg, item in items:
@@ -1027,22 +1065,24 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
                     ticks.append((rank_costs(p.loads, p.traffic, shape, np.zeros(R, dtype=np.int64), hw), active))
                     imb.append(p.imbalance)
                 for ppg in (False, True):
-                    st = pp_tick_step(ticks, pp, layers, lin_f, head_f, bf, ppg, p2p, _op_overhead(ppg), mode)
+                    st = pp_tick_step(ticks, pp, layers, lin_f, head_f, bf, ppg, p2p, hw.op_overhead(ppg), mode["tick"])
                     acc.setdefault((policy, ppg), []).append((st, float(np.mean(imb)), ms / n_ticks, None))
     settings = {
         "tolerance": args.tolerance, "mfu": hw.linear_mfu, "ib_gbs": hw.ib_bytes_per_s / 1e9,
-        "full_duplex": hw.full_duplex, "latency_scale": hw.latency_scale, "upsample": args.upsample,
+        "full_duplex": hw.full_duplex, "latency_scale": hw.latency_scale, "wlb_token_cap": hw.wlb_token_cap,
+        "op_overhead_scale": hw.op_overhead_scale, "hbm_gb": hw.hbm_bytes / 1e9, "upsample": args.upsample,
         "upsample_threshold": args.upsample_threshold,
         "cut_docs": args.cut_docs, "cost_model": COST_MODEL,
     }  # fmt: skip
     rows = []
     for (policy, ppg), items in acc.items():
         sts = [i[0] for i in items]
+        sched = "tick" if policy in TICK_POLICIES else "gpipe"
         row = {
             "model": model, "params": arch.params, "doclens": dist, "gpus": gpus, "ca_ranks": R, "tp": TP,
             "dp": DP, "pp": pp, "layers_per_stage": layers, "microbatches": mb, "context": ctx,
             "tokens_per_step": mb * DP * ctx, "policy": policy, "pingpong": ppg,
-            "schedule": "tick" if policy in TICK_POLICIES else "gpipe", "seeds": len(sts),
+            "schedule": sched, "seeds": len(sts),
             "step_s": float(np.mean([x.step_s for x in sts])), "step_s_std": float(np.std([x.step_s for x in sts])),
             "step_s_seeds": [float(x.step_s) for x in sts],
             "bubble": bubble_fraction(pp, mb), "p2p_s": p2p,
@@ -1050,7 +1090,8 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
             "tick_spread": float(np.mean([x.tick_spread for x in sts])),
             "tick_spread_all": float(np.mean([x.tick_spread_all for x in sts])),
             "imbalance": float(np.mean([i[1] for i in items])), "plan_ms": float(np.mean([i[2] for i in items])),
-            **memory_fields(arch, ctx, DP, pp, mb, mode),  # GPipe: all M micro-batches' activations at the peak
+            "in_flight": flight[sched],
+            **memory_fields(arch, ctx, DP, pp, flight[sched], mode[sched], hw.hbm_bytes),
             "settings": settings,
         }  # fmt: skip
         if policy in TICK_POLICIES:
@@ -1062,7 +1103,7 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
             # Variable-length packing can hold more tokens on a rank than ctx: its memory follows them.
             ratio = max(i[3][1] for i in items)
             row["max_tokens_ratio"] = ratio
-            row.update(memory_fields(arch, int(ratio * ctx), DP, pp, mb, mode))
+            row.update(memory_fields(arch, int(ratio * ctx), DP, pp, flight[sched], mode[sched], hw.hbm_bytes))
         rows.append(row)
     _add_speedups(rows, ("wlb_cp", "wlb_ideal", "colocated", "distca_stage"))
     for r in rows:
@@ -1083,7 +1124,7 @@ def _mem(r: dict) -> str:
     return "full" if r.get("recompute") == "full" else "sel"
 
 
-_MEM_NOTE = (f"full: the estimated peak memory per GPU with selective recomputation is above {HBM_BYTES / 1e9:.0f} GB, "
+_MEM_NOTE = ("full: the estimated peak memory per GPU with selective recomputation is above the GPU's (--hbm-gb), "
              "so the step recomputes every layer's forward in its backward (charged); !mem: above it even then "
              "(no speedup reported)")  # fmt: skip
 
@@ -1136,15 +1177,16 @@ def summary(rows: list[dict]) -> str:
         if r["policy"] == "distca" and "step_s" in r
     }
     cols = [
+        ("pp vs wlbi0", True, "wlb_ideal_no_pp"),
+        ("pp vs wlbi pp", True, "wlb_ideal"),
+        ("off vs wlbi off", False, "wlb_ideal"),
         ("pp vs wlb0", True, "wlb_cp_no_pp"),
         ("pp vs wlb pp", True, "wlb_cp"),
-        ("pp vs wlbi pp", True, "wlb_ideal"),
-        ("off vs wlb off", False, "wlb_cp"),
         ("pp vs pdcp pp", True, "per_doc_cp"),
         ("pp vs coloc pp", True, "colocated"),
     ]
-    head = f"{'model':<10} {'doclens':<8} {'ctx':>4} | " + " ".join(f"{c[0]:>14}" for c in cols)
-    head += " | paper 3D  | paper 4D"
+    head = f"{'model':<10} {'doclens':<8} {'ctx':>4} | " + " ".join(f"{c[0]:>15}" for c in cols)
+    head += " | paper 3D"
     out = [head, "-" * len(head)]
     for model, dist, ctx in sorted({k[:3] for k in sel}):
         cells = []
@@ -1155,11 +1197,8 @@ def summary(rows: list[dict]) -> str:
             v = [r[f"speedup_vs_{base}"] for r in rs]
             oom = "*" if any(_mem(r) == "full" for r in rs) else ""
             cells.append(f"{min(v):.2f}-{max(v):.2f}{oom}" if v else "-")
-        p3, p4 = PAPER_3D[dist], PAPER_4D[(model, dist)]
-        out.append(
-            f"{model:<10} {dist:<8} {_k(ctx):>4} | " + " ".join(f"{c:>14}" for c in cells)
-            + f" | {p3[0]:.2f}-{p3[1]:.2f} | <= {p4[1]:.2f}"
-        )
+        p3 = PAPER_3D[dist]
+        out.append(f"{model:<10} {dist:<8} {_k(ctx):>4} | " + " ".join(f"{c:>15}" for c in cells) + f" | {p3[0]:.2f}-{p3[1]:.2f}")
     if any(_mem(r) == "full" for r in sel.values()):
         out.append("* includes configurations with full recomputation (see the table's full)")
     return "\n".join(out)
@@ -1403,7 +1442,7 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ap.add_argument(
         "--seeds", type=int, default=None,
-        help="batches per point (default 30, the paper's; 10 with --pp, for its run time)",
+        help="batches per point (default 30, the paper's)",
     )  # fmt: skip
     ap.add_argument("--jobs", type=int, default=None, help="worker processes over configurations (default: the CPU count; 1 with --quick)")
     ap.add_argument(
@@ -1430,6 +1469,18 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--latency-scale", type=float, default=1.0,
         help="multiply the per-call collective latencies (A2A_BASE_LATENCY_S, NET_HOP_LATENCY_S); 0: bandwidth only",
+    )  # fmt: skip
+    ap.add_argument(
+        "--op-overhead-scale", type=float, default=1.0,
+        help="multiply the op's measured per-call overhead OP_OVERHEAD_S (0: kernels only)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--hbm-gb", type=float, default=HBM_BYTES / 1e9,
+        help="GB per GPU the memory estimate must fit (default %(default)s; a large value: memory never binds)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--wlb-token-cap", type=float, default=WLB_TOKEN_CAP,
+        help="wlb_ideal: most tokens a group may take, x c x context, before memory (default %(default)s; 1: none more)",
     )  # fmt: skip
     ap.add_argument(
         "--max-plan-s", type=float, default=20.0, help="skip a policy at larger sizes once one plan takes longer"
@@ -1496,6 +1547,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--context, --seeds, --microbatches and --jobs must be >= 1")
     if not 0.0 <= args.tolerance < 1.0:
         ap.error(f"--tolerance must be in [0, 1), got {args.tolerance}")
+    if args.wlb_token_cap < 1.0 or args.op_overhead_scale < 0 or args.hbm_gb <= 0:
+        ap.error(f"--wlb-token-cap must be >= 1, --op-overhead-scale >= 0 and --hbm-gb > 0, got "
+                 f"{args.wlb_token_cap}, {args.op_overhead_scale} and {args.hbm_gb}")  # fmt: skip
     if not 0.0 < args.mfu <= 1.0 or args.ib_gbs <= 0 or args.latency_scale < 0:
         ap.error(f"--mfu must be in (0, 1], --ib-gbs > 0 and --latency-scale >= 0, got {args.mfu}, "
                  f"{args.ib_gbs} and {args.latency_scale}")  # fmt: skip
@@ -1556,7 +1610,7 @@ def main_pp(ap: argparse.ArgumentParser, args) -> int:
         args.model = args.model or ["llama3-8b"]
         args.gpus, args.context, args.seeds = args.gpus or [64, 128], args.context or [131072], 2
         args.jobs = args.jobs or 1
-    args.seeds = 10 if args.seeds is None else args.seeds  # 30 would take ~25 min for the 4D grid
+    args.seeds = 30 if args.seeds is None else args.seeds
     args.jobs = args.jobs or os.cpu_count() or 1
     args.model = args.model or list(ARCHS)
     args.doclens = args.doclens or list(DISTRIBUTIONS)
@@ -1567,6 +1621,9 @@ def main_pp(ap: argparse.ArgumentParser, args) -> int:
         ap.error("--seeds, --jobs and --microbatches must be >= 1")
     if not 0.0 <= args.tolerance < 1.0:
         ap.error(f"--tolerance must be in [0, 1), got {args.tolerance}")
+    if args.wlb_token_cap < 1.0 or args.op_overhead_scale < 0 or args.hbm_gb <= 0:
+        ap.error(f"--wlb-token-cap must be >= 1, --op-overhead-scale >= 0 and --hbm-gb > 0, got "
+                 f"{args.wlb_token_cap}, {args.op_overhead_scale} and {args.hbm_gb}")  # fmt: skip
     if not 0.0 < args.mfu <= 1.0 or args.ib_gbs <= 0 or args.latency_scale < 0:
         ap.error(f"--mfu must be in (0, 1], --ib-gbs > 0 and --latency-scale >= 0, got {args.mfu}, "
                  f"{args.ib_gbs} and {args.latency_scale}")  # fmt: skip

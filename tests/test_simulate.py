@@ -163,7 +163,7 @@ def test_wlb_cp_serves_every_pair_once_and_matches_per_doc_cp_at_full_degree():
     lay = Layout.from_doclens(rng.integers(50, 9000, 40), R, T)
     total = int(sum(n * (n + 1) // 2 for n in lay.doc_lens.tolist()))
     for c in (1, 2, 4, 8):
-        w = simulate.wlb_cp(lay, c, shape, cm, 0.05)
+        w = simulate.wlb_cp(lay, c, shape, cm)
         t = w.tasks
         assert w.loads.shape == (R,) and w.ag_bytes.shape == (R,)
         assert np.all((t[:, 1] < t[:, 2]) & (t[:, 2] <= lay.doc_lens[t[:, 0]]))
@@ -173,10 +173,13 @@ def test_wlb_cp_serves_every_pair_once_and_matches_per_doc_cp_at_full_degree():
         d, qs, qe = t[o, 0], t[o, 1], t[o, 2]
         first = np.r_[True, d[1:] != d[:-1]]
         assert np.all(qs[first] == 0) and np.all(qs[~first] == qe[np.nonzero(~first)[0] - 1])
+        # The planner's wlb_cp plan at degree c: the same tasks and loads.
+        p = plan(lay, "wlb_cp", cp_degree=c, shape=shape, cost_model=cm)
+        assert np.array_equal(t, p.tasks) and np.allclose(w.loads, p.loads)
     full = plan(lay, "per_doc_cp", shape=shape, cost_model="h200")
-    assert np.allclose(simulate.wlb_cp(lay, R, shape, cm, 0.05).loads, full.loads, rtol=1e-3)
+    assert np.allclose(simulate.wlb_cp(lay, R, shape, cm).loads, full.loads, rtol=1e-3)
     cut = Layout(tuple(np.union1d(lay.cu_array, np.arange(0, R * T + 1, T)).tolist()), R, T)
-    assert np.all(simulate.wlb_cp(cut, 1, shape, cm, 0.05).ag_bytes == 0)
+    assert np.all(simulate.wlb_cp(cut, 1, shape, cm).ag_bytes == 0)
 
 
 def test_cli_rejects_bad_gpus():
@@ -387,13 +390,13 @@ def test_wlb_ideal_beats_wlb_cp_on_a_skewed_batch_and_equals_per_doc_cp_costs_at
     # Two documents of 1.5 T: with fixed budgets each shares its CP group of 2 with short documents;
     # variable-length packing gives those groups nothing else and the short ones go elsewhere.
     lay = Layout.from_doclens([3 * T // 2, 3 * T // 2] + [1024] * (5 * T // 1024), 8, T)
-    ideal = simulate.wlb_ideal_step(lay, 2, arch, T, shape, cm, hw, "step", 0.05)[0][False][0]
-    _, loads, ag, _ = simulate.wlb_cp(lay, 2, shape, cm, 0.05)
+    ideal = simulate.wlb_ideal_step(lay, 2, arch, T, shape, cm, hw, "step")[0][False][0]
+    _, loads, ag, _ = simulate.wlb_cp(lay, 2, shape, cm)
     cp = simulate.step_time(simulate.wlb_costs(loads, ag, 2, hw), arch, T, cm.bwd_factor, False, "step", hw)
     assert ideal.step_s < cp.step_s and ideal.linear_s < cp.linear_s
     # c = R: one group holding every document is per-document CP over the whole batch.
-    one = simulate.wlb_ideal_step(lay, 8, arch, T, shape, cm, hw, "step", 0.05)[0][False][0]
-    _, loads, ag, _ = simulate.wlb_cp(lay, 8, shape, cm, 0.05)
+    one = simulate.wlb_ideal_step(lay, 8, arch, T, shape, cm, hw, "step")[0][False][0]
+    _, loads, ag, _ = simulate.wlb_cp(lay, 8, shape, cm)
     full = simulate.step_time(simulate.wlb_costs(loads, ag, 8, hw), arch, T, cm.bwd_factor, False, "step", hw)
     assert one.step_s == pytest.approx(full.step_s, rel=0.02)
 
@@ -439,7 +442,8 @@ def test_jobs_give_the_same_rows_and_the_paper_table_places_intervals(tmp_path):
 def test_collective_latency_is_paid_per_call_and_only_when_rows_move():
     """Serial: one dispatch and one return latency per layer and direction; ping-pong: one per nano-batch,
     so with nothing else to do it costs twice. rank_costs charges it only if a row moves (the runtime runs
-    no collective otherwise); a ring all-gather over c ranks pays c - 1 network steps."""
+    no collective otherwise), and the layout copies per byte moved; a ring all-gather over c ranks pays
+    c - 1 network steps."""
     z = np.zeros(3)
     assert np.allclose(simulate._phase(z, z, z, z, False, (1e-5, 2e-5)), 3e-5)
     assert np.allclose(simulate._phase(z, z, z, z, True, (1e-5, 2e-5)), 6e-5)
@@ -454,6 +458,9 @@ def test_collective_latency_is_paid_per_call_and_only_when_rows_move():
         assert (p.traffic.fwd.sum() > 0) == moves
         rc = simulate.rank_costs(p.loads, p.traffic, shape, np.zeros(2, dtype=np.int64), hw)
         assert rc.latency == ((hw.a2a_latency_s(),) * 4 if moves else (0.0,) * 4)
+        # Packing and unpacking: every byte a GPU sends or receives is read and written once.
+        assert np.allclose(rc.copy_s[0], 2 * rc.fwd_bytes_gpu / simulate.HBM_BYTES_PER_S)
+        assert (rc.copy_s[1].sum() > rc.copy_s[0].sum()) == moves
     w = simulate.wlb_costs(np.ones(4), np.ones(4), 4, hw)
     assert w.latency == (hw.ring_latency_s(4), 0.0, hw.ring_latency_s(4), hw.ring_latency_s(4))
 
@@ -495,13 +502,13 @@ def test_wlb_ideal_microbatches_repack_every_document_into_balanced_bins():
     long = Layout.from_doclens([T] * DP, DP, T)
     short = [Layout.from_doclens([1024] * (DP * T // 1024), DP, T) for _ in range(M - 1)]
     mbs = [long, *short]
-    w = simulate.wlb_ideal_microbatches(mbs, c, arch, T, arch.layers // 2, shape, cm, hw, 0.05)
+    w = simulate.wlb_ideal_microbatches(mbs, c, arch, T, arch.layers // 2, shape, cm, hw)
     assert len(w.costs) == M and all(len(x.attn_fwd) == DP for x in w.costs)
     assert w.tokens.sum() == M * DP * T and np.all(w.tokens[:, ::c] == w.tokens[:, 1::c])
     lin = np.vectorize(lambda n: 3 * simulate.linear_fwd_s(arch, int(n), hw))
     work = lambda attn, tok: (lin(tok) + (1 + cm.bwd_factor) * attn).reshape(-1, c).max(axis=1)  # noqa: E731
     ideal = np.array([work(x.attn_fwd, w.tokens[m]) for m, x in enumerate(w.costs)])  # [M, replicas]
-    fixed = np.array([work(simulate.wlb_cp(lay, c, shape, cm, 0.05).loads / simulate.TP, np.full(DP, T)) for lay in mbs])
+    fixed = np.array([work(simulate.wlb_cp(lay, c, shape, cm).loads / simulate.TP, np.full(DP, T)) for lay in mbs])
     assert ideal.max() / ideal.mean() < 1.02 and fixed.max() / fixed.mean() > 1.2
 
 
@@ -519,3 +526,16 @@ def test_pp_paper_table_compares_each_side_at_its_best_p(tmp_path):
     line = simulate.pp_paper_table(rows).splitlines()[2]
     assert f"{w['step_s'] / d['step_s']:.2f} [{lo:.2f}, {hi:.2f}]" in line and line.startswith("llama3-8b  pretrain")
     assert all(r["max_tokens_ratio"] <= simulate.WLB_TOKEN_CAP for r in rows if r["policy"] == "wlb_ideal")
+
+
+def test_pp_memory_follows_each_schedule(quick_pp):
+    """The tick schedule holds all M micro-batches, a 1F1B baseline min(P, M): at 8B, 128K, P = 4, M = 8
+    the tick policies need full recomputation and the baselines do not; each row's recomputation is the
+    cheapest its own schedule fits with."""
+    a8 = simulate.ARCHS["llama3-8b"]
+    for r in quick_pp:
+        tick = r["policy"] in simulate.TICK_POLICIES
+        assert r["in_flight"] == (8 if tick else 4)
+        if r["policy"] != "wlb_ideal":
+            assert r["recompute"] == simulate.recompute_mode(a8, 131072, r["dp"], 4, r["in_flight"])
+        assert r["recompute"] == ("full" if tick else "selective") and r["fits_memory"]

@@ -11,9 +11,9 @@ import numpy as np
 
 from distca.cost import CostModel, ModelShape, Traffic, causal_pairs, traffic
 from distca.layout import Layout
-from distca.planner.options import PlanOptions
+from distca.planner.options import Columns, PlanOptions
 
-__all__ = ["Plan", "build_plan", "layer_seconds"]
+__all__ = ["Plan", "build_plan", "layer_seconds", "task_columns"]
 
 _TASK_COLS = ("doc", "q_start", "q_end", "server")
 
@@ -163,18 +163,7 @@ def build_plan(
 ) -> Plan:
     """The :class:`Plan` of a policy's task columns (int arrays [N]) under ``opts``; adjacent query
     ranges of one document on one server are merged into one task unless ``merge`` is False."""
-    doc, q_start, q_end, server = (np.asarray(a, dtype=np.int64) for a in (doc, q_start, q_end, server))
-    order = _task_order(layout, doc, q_start, server)
-    if order is not None:
-        doc, q_start, q_end, server = doc[order], q_start[order], q_end[order], server[order]
-    if merge and doc.size > 1:
-        # Adjacent query ranges of one document on one server become one task:
-        # same KV prefix, one kernel task less.
-        new = np.ones(doc.size, dtype=bool)
-        new[1:] = (server[1:] != server[:-1]) | (doc[1:] != doc[:-1]) | (q_start[1:] != q_end[:-1])
-        idx = np.nonzero(new)[0]
-        q_end = np.maximum.reduceat(q_end, idx)
-        doc, q_start, server = doc[idx], q_start[idx], server[idx]
+    doc, q_start, q_end, server = task_columns(layout, doc, q_start, q_end, server, merge=merge)
     tasks = np.stack([doc, q_start, q_end, server], axis=1) if doc.size else np.zeros((0, 4), np.int64)
     tasks.flags.writeable = False
     R = layout.ranks
@@ -184,6 +173,23 @@ def build_plan(
     for a in (loads, pairs):
         a.flags.writeable = False
     return Plan(layout, policy, tasks, loads, pairs, tr, opts)
+
+
+def task_columns(layout: Layout, doc, q_start, q_end, server, *, merge: bool = True) -> Columns:
+    """A plan's task columns (int64 [N] each) from a policy's: sorted by (server, doc, q_start), and
+    adjacent query ranges of one document on one server merged into one task (same KV prefix, one
+    kernel task less) unless ``merge`` is False. What :func:`build_plan` does before it costs them."""
+    doc, q_start, q_end, server = (np.asarray(a, dtype=np.int64) for a in (doc, q_start, q_end, server))
+    order = _task_order(layout, doc, q_start, server)
+    if order is not None:
+        doc, q_start, q_end, server = doc[order], q_start[order], q_end[order], server[order]
+    if merge and doc.size > 1:
+        new = np.ones(doc.size, dtype=bool)
+        new[1:] = (server[1:] != server[:-1]) | (doc[1:] != doc[:-1]) | (q_start[1:] != q_end[:-1])
+        idx = np.nonzero(new)[0]
+        q_end = np.maximum.reduceat(q_end, idx)
+        doc, q_start, server = doc[idx], q_start[idx], server[idx]
+    return doc, q_start, q_end, server
 
 
 def _task_order(layout: Layout, doc: np.ndarray, q_start: np.ndarray, server: np.ndarray) -> np.ndarray | None:
