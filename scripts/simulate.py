@@ -1421,6 +1421,53 @@ def plot(rows: list[dict], out_dir: Path) -> Path:
     return path
 
 
+def plot_pp(rows: list[dict], out_dir: Path) -> Path:
+    """distca's --pp speedup (ping-pong) against ``wlb_ideal``, each at its best P (:func:`best_p`), over
+    GPUs, one panel per doclens x model, the paper's 4D range shaded; ``speedup_pp.png`` in ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    cells = best_p(rows)
+    models = sorted({k[0] for k in cells}) or ["-"]
+    dists = sorted({k[1] for k in cells}) or ["-"]
+    ctxs = sorted({k[3] for k in cells})
+    fig, axes = plt.subplots(len(dists), len(models), figsize=(5.5 * len(models), 4.0 * len(dists)), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, dist in enumerate(dists):
+        for j, model in enumerate(models):
+            ax = axes[i][j]
+            lo, hi = PAPER_4D.get((model, dist), (1.0, 1.0))
+            ax.axhspan(lo, hi, color="0.85", label=f"paper 4D vs WLB-ideal {lo}-{hi}x")
+            for k, ctx in enumerate(ctxs):
+                keys = sorted((key for key in cells if (key[0], key[1], key[3]) == (model, dist, ctx)), key=lambda x: x[2])
+                for bpp, style, label in ((False, "-o", "vs WLB-ideal, no overlap"), (True, "--s", "vs WLB-ideal, both overlapped")):
+                    pts = [(key[2], cells[key][("wlb_ideal", bpp)]["step_s"] / cells[key][("distca", True)]["step_s"])
+                           for key in keys if ("wlb_ideal", bpp) in cells[key] and ("distca", True) in cells[key]]  # fmt: skip
+                    if pts:
+                        x, y = zip(*pts)
+                        ax.plot(x, y, style, color=colors[k % len(colors)], ms=4, label=f"{_k(ctx)} {label}")
+            ax.axhline(1.0, color="k", lw=0.8)
+            gpus = sorted({key[2] for key in cells if key[:2] == (model, dist)})
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(gpus, [str(g) for g in gpus])
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.2fx"))
+            ax.set_title(f"{model}, {dist} (4D, best P each)")
+            ax.set_xlabel("GPUs (TP=8)")
+            ax.set_ylabel("distca step-time speedup")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=6)
+    fig.suptitle("distca (ping-pong, tick-synchronous CAD over DP x PP) against WLB-ideal in scripts/simulate.py --pp", fontsize=10)
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "speedup_pp.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 # ---- CLI -------------------------------------------------------------------------------
 
 
@@ -1654,6 +1701,7 @@ def main_pp(ap: argparse.ArgumentParser, args) -> int:
     wall = time.perf_counter() - t0
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results_pp.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    png = None if args.no_plot or not {"wlb_ideal", "distca"} <= set(args.policy) else plot_pp(rows, out_dir)
     if not args.json:
         print(
             f"4D (--pp): TP={TP} x DP x PP, GPipe, M micro-batches of DP x T tokens; MFU {args.mfu}, "
@@ -1673,7 +1721,7 @@ def main_pp(ap: argparse.ArgumentParser, args) -> int:
         if {"wlb_ideal", "distca"} <= set(args.policy):
             print("\ndistca (ping-pong) against the paper's WLB-ideal (wlb_ideal), each at its best P (distca/wlbi):")
             print(pp_paper_table(rows))
-        print(f"\n{wall:.1f} s; results in {out_dir / 'results_pp.jsonl'}")
+        print(f"\n{wall:.1f} s; results in {out_dir / 'results_pp.jsonl'}" + (f", plot {png}" if png else ""))
     return 0
 
 

@@ -526,6 +526,7 @@ def test_pp_paper_table_compares_each_side_at_its_best_p(tmp_path):
     line = simulate.pp_paper_table(rows).splitlines()[2]
     assert f"{w['step_s'] / d['step_s']:.2f} [{lo:.2f}, {hi:.2f}]" in line and line.startswith("llama3-8b  pretrain")
     assert all(r["max_tokens_ratio"] <= simulate.WLB_TOKEN_CAP for r in rows if r["policy"] == "wlb_ideal")
+    assert (tmp_path / "speedup_pp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_pp_memory_follows_each_schedule(quick_pp):
