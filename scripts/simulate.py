@@ -1373,7 +1373,6 @@ def plot(rows: list[dict], out_dir: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
     sel = [r for r in rows if r["policy"] == "distca" and r.get("pingpong") and "step_s" in r]
     models = sorted({r["model"] for r in sel}) or ["-"]
@@ -1403,19 +1402,32 @@ def plot(rows: list[dict], out_dir: Path) -> Path:
                     if pts:
                         x, y = zip(*pts)
                         ax.plot(x, y, style, color=colors[k % len(colors)], ms=4, label=f"{_k(ctx)} {label}")
-            ax.axhline(1.0, color="k", lw=0.8)
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(sorted({r["gpus"] for r in sel}), [str(g) for g in sorted({r["gpus"] for r in sel})])
-            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.2fx"))
-            ax.set_title(f"{model}, {dist}")
-            ax.set_xlabel("GPUs (TP=8)")
-            ax.set_ylabel("distca step-time speedup")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=6)
-    fig.suptitle("distca step-time speedup in scripts/simulate.py's model (distca with ping-pong overlap)", fontsize=10)
+            _speedup_axis(ax, sorted({r["gpus"] for r in sel}), f"{model}, {dist}")
+    title = "distca step-time speedup in scripts/simulate.py's model (distca with ping-pong overlap)"
+    return _save_figure(fig, title, out_dir / "speedup.png")
+
+
+def _speedup_axis(ax, gpus: list[int], title: str) -> None:
+    """The speedup-over-GPUs panel's axes: log2 GPUs, a 1.0x line, speedups as ``1.10x``."""
+    import matplotlib.ticker
+
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(gpus, [str(g) for g in gpus])
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.2fx"))
+    ax.set_title(title)
+    ax.set_xlabel("GPUs (TP=8)")
+    ax.set_ylabel("distca step-time speedup")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=6)
+
+
+def _save_figure(fig, title: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "speedup.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -1428,7 +1440,6 @@ def plot_pp(rows: list[dict], out_dir: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
     cells = best_p(rows)
     models = sorted({k[0] for k in cells}) or ["-"]
@@ -1449,23 +1460,10 @@ def plot_pp(rows: list[dict], out_dir: Path) -> Path:
                     if pts:
                         x, y = zip(*pts)
                         ax.plot(x, y, style, color=colors[k % len(colors)], ms=4, label=f"{_k(ctx)} {label}")
-            ax.axhline(1.0, color="k", lw=0.8)
             gpus = sorted({key[2] for key in cells if key[:2] == (model, dist)})
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(gpus, [str(g) for g in gpus])
-            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.2fx"))
-            ax.set_title(f"{model}, {dist} (4D, best P each)")
-            ax.set_xlabel("GPUs (TP=8)")
-            ax.set_ylabel("distca step-time speedup")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=6)
-    fig.suptitle("distca (ping-pong, tick-synchronous CAD over DP x PP) against WLB-ideal in scripts/simulate.py --pp", fontsize=10)
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "speedup_pp.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+            _speedup_axis(ax, gpus, f"{model}, {dist} (4D, best P each)")
+    title = "distca (ping-pong, tick-synchronous CAD over DP x PP) against WLB-ideal in scripts/simulate.py --pp"
+    return _save_figure(fig, title, out_dir / "speedup_pp.png")
 
 
 # ---- CLI -------------------------------------------------------------------------------
@@ -1568,6 +1566,18 @@ def _map_configs(grid: list[tuple], args, pp: bool = False):
         yield from ex.map(fn, grid)
 
 
+def _check_model_knobs(ap: argparse.ArgumentParser, args) -> None:
+    """The checks both modes share: the planner's tolerance and the model's sensitivity knobs."""
+    if not 0.0 <= args.tolerance < 1.0:
+        ap.error(f"--tolerance must be in [0, 1), got {args.tolerance}")
+    if args.wlb_token_cap < 1.0 or args.op_overhead_scale < 0 or args.hbm_gb <= 0:
+        ap.error(f"--wlb-token-cap must be >= 1, --op-overhead-scale >= 0 and --hbm-gb > 0, got "
+                 f"{args.wlb_token_cap}, {args.op_overhead_scale} and {args.hbm_gb}")  # fmt: skip
+    if not 0.0 < args.mfu <= 1.0 or args.ib_gbs <= 0 or args.latency_scale < 0:
+        ap.error(f"--mfu must be in (0, 1], --ib-gbs > 0 and --latency-scale >= 0, got {args.mfu}, "
+                 f"{args.ib_gbs} and {args.latency_scale}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
@@ -1592,14 +1602,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--policy {bad[0]} needs --pp")
     if min(args.context) < 1 or args.seeds < 1 or args.microbatches < 1 or args.jobs < 1:
         ap.error("--context, --seeds, --microbatches and --jobs must be >= 1")
-    if not 0.0 <= args.tolerance < 1.0:
-        ap.error(f"--tolerance must be in [0, 1), got {args.tolerance}")
-    if args.wlb_token_cap < 1.0 or args.op_overhead_scale < 0 or args.hbm_gb <= 0:
-        ap.error(f"--wlb-token-cap must be >= 1, --op-overhead-scale >= 0 and --hbm-gb > 0, got "
-                 f"{args.wlb_token_cap}, {args.op_overhead_scale} and {args.hbm_gb}")  # fmt: skip
-    if not 0.0 < args.mfu <= 1.0 or args.ib_gbs <= 0 or args.latency_scale < 0:
-        ap.error(f"--mfu must be in (0, 1], --ib-gbs > 0 and --latency-scale >= 0, got {args.mfu}, "
-                 f"{args.ib_gbs} and {args.latency_scale}")  # fmt: skip
+    _check_model_knobs(ap, args)
 
     out_dir = Path(args.out)
     rows: list[dict] = []
@@ -1666,14 +1669,7 @@ def main_pp(ap: argparse.ArgumentParser, args) -> int:
         ap.error(f"--policy {bad[0]} is not a --pp policy (choose from {list(PP_POLICIES)})")
     if args.seeds < 1 or args.jobs < 1 or (args.microbatches is not None and args.microbatches < 1):
         ap.error("--seeds, --jobs and --microbatches must be >= 1")
-    if not 0.0 <= args.tolerance < 1.0:
-        ap.error(f"--tolerance must be in [0, 1), got {args.tolerance}")
-    if args.wlb_token_cap < 1.0 or args.op_overhead_scale < 0 or args.hbm_gb <= 0:
-        ap.error(f"--wlb-token-cap must be >= 1, --op-overhead-scale >= 0 and --hbm-gb > 0, got "
-                 f"{args.wlb_token_cap}, {args.op_overhead_scale} and {args.hbm_gb}")  # fmt: skip
-    if not 0.0 < args.mfu <= 1.0 or args.ib_gbs <= 0 or args.latency_scale < 0:
-        ap.error(f"--mfu must be in (0, 1], --ib-gbs > 0 and --latency-scale >= 0, got {args.mfu}, "
-                 f"{args.ib_gbs} and {args.latency_scale}")  # fmt: skip
+    _check_model_knobs(ap, args)
     grid = []
     for model in args.model:
         gpus_l, ctx_l = PP_GRID[model]

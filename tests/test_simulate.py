@@ -540,3 +540,13 @@ def test_pp_memory_follows_each_schedule(quick_pp):
         if r["policy"] != "wlb_ideal":
             assert r["recompute"] == simulate.recompute_mode(a8, 131072, r["dp"], 4, r["in_flight"])
         assert r["recompute"] == ("full" if tick else "selective") and r["fits_memory"]
+
+
+@pytest.mark.parametrize("bad", [["--latency-scale", "-1"], ["--wlb-token-cap", "0.5"], ["--op-overhead-scale", "-0.1"],
+                                 ["--hbm-gb", "0"], ["--tolerance", "1.0"]])  # fmt: skip
+@pytest.mark.parametrize("mode", [[], ["--pp"]])
+def test_cli_rejects_bad_model_knobs_in_both_modes(bad, mode):
+    err = io.StringIO()
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(err):
+        simulate.main([*mode, *bad, "--quick", "--no-plot"])
+    assert bad[0] in err.getvalue()
