@@ -195,6 +195,20 @@ class Hardware:
     hbm_bytes: float = HBM_BYTES
     """Bytes of GPU memory the recomputation choice (:func:`recompute_mode`) and WLB's cap must fit."""
 
+    @classmethod
+    def from_args(cls, args) -> Hardware:
+        """The CLI's knobs (``--mfu``, ``--ib-gbs``, ...)."""
+        return cls(args.mfu, args.ib_gbs * 1e9, not args.half_duplex, args.latency_scale, args.wlb_token_cap,
+                   args.op_overhead_scale, args.hbm_gb * 1e9)  # fmt: skip
+
+    def settings(self) -> dict:
+        """The knobs as a row's ``settings`` report them."""
+        return {
+            "mfu": self.linear_mfu, "ib_gbs": self.ib_bytes_per_s / 1e9, "full_duplex": self.full_duplex,
+            "latency_scale": self.latency_scale, "wlb_token_cap": self.wlb_token_cap,
+            "op_overhead_scale": self.op_overhead_scale, "hbm_gb": self.hbm_bytes / 1e9,
+        }  # fmt: skip
+
     def op_overhead(self, pingpong: bool) -> tuple[float, float]:
         """:data:`OP_OVERHEAD_S` per layer (fwd, bwd) for a policy on distca's op: one call, or one per
         nano-batch with ping-pong."""
@@ -461,7 +475,7 @@ class WlbPlan(NamedTuple):
     ag_bytes: np.ndarray
     """float64 [R]: bytes each rank receives (and sends) in one layer's forward KV all-gather."""
     plan_s: float
-    """Seconds spent in ``distca.plan`` for all groups."""
+    """Seconds spent building the tasks (the planner's ``wlb_cp`` columns)."""
 
 
 def wlb_cp(layout: Layout, c: int, shape, cm) -> WlbPlan:
@@ -568,6 +582,16 @@ def wlb_pack(doc_lens: np.ndarray, groups: int, c: int, ctx: int, arch: Arch, cm
     return out
 
 
+def _group_layout(lens: list[int], c: int) -> Layout:
+    """One packed group's layout: documents ``lens`` in order over ``c`` ranks of equal rows (at
+    least 1), the remainder one padding document at the end."""
+    tok = int(sum(lens))
+    T = max(1, -(-tok // c))
+    pad = c * T - tok
+    cu = np.concatenate([[0], np.cumsum(list(lens) + ([pad] if pad else []))])
+    return Layout(tuple(cu.tolist()), c, T, padding=(len(lens),) if pad else ())
+
+
 def wlb_ideal_step(layout: Layout, c: int, arch: Arch, ctx: int, shape, cm, hw: Hardware, sync: str,
                    recompute: str = "selective"):  # fmt: skip
     """The WLB-ideal baseline at CP degree ``c``: :func:`wlb_pack` over the batch's whole documents,
@@ -575,18 +599,14 @@ def wlb_ideal_step(layout: Layout, c: int, arch: Arch, ctx: int, shape, cm, hw: 
     group's linear layers on the tokens it was given. Returns ({pingpong: (StepTime, RankCosts) of
     the slowest group}, per-rank loads of all groups, plan seconds, most tokens on one rank)."""
     groups = layout.ranks // c
-    real = np.setdiff1d(np.arange(layout.num_docs), np.asarray(layout.padding, dtype=np.int64))
-    packs = wlb_pack(layout.doc_lens[real], groups, c, ctx, arch, cm, hw, wlb_cap(arch, ctx, layout.ranks, hw=hw))
+    packs = wlb_pack(layout.doc_lens[~layout.is_padding], groups, c, ctx, arch, cm, hw, wlb_cap(arch, ctx, layout.ranks, hw=hw))
     best: dict[bool, tuple] = {}
     loads_all, plan_s, most = [], 0.0, 0
     for lens in packs:
         if not lens:
             continue
-        tok = int(sum(lens))
-        T = -(-tok // c)
-        pad = c * T - tok
-        glay = Layout(tuple(np.concatenate([[0], np.cumsum(lens + ([pad] if pad else []))]).tolist()), c, T,
-                      padding=(len(lens),) if pad else ())  # fmt: skip
+        glay = _group_layout(lens, c)
+        T = glay.tokens_per_rank
         by_pp, loads, ps, _ = wlb_cp_step(glay, c, arch, T, shape, cm, hw, sync, recompute)
         plan_s += ps
         most = max(most, T)
@@ -625,6 +645,14 @@ def _add_speedups(rows: list[dict], bases: tuple[str, ...]) -> None:
             r[key + "_ci95"] = _ratio_ci95(b["step_s_seeds"], r["step_s_seeds"]) if b and "step_s_seeds" in r else None
 
 
+def _settings(args, hw: Hardware) -> dict:
+    """Every knob a row's numbers depend on, as its ``settings`` field reports them."""
+    return {
+        "tolerance": args.tolerance, **hw.settings(), "upsample": args.upsample,
+        "upsample_threshold": args.upsample_threshold, "cut_docs": args.cut_docs, "cost_model": COST_MODEL,
+    }  # fmt: skip
+
+
 def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict) -> list[dict]:
     """All policies x {no ping-pong, ping-pong} for one (model, doclens, gpus, context); rows averaged over seeds."""
     arch, shape = ARCHS[model], MODEL_SHAPES[model]
@@ -635,8 +663,7 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
     notes: dict[str, str] = {}
     cps = [1 << k for k in range(int(math.log2(R)) + 1) if R % (1 << k) == 0]
     size = R * ctx
-    hw = Hardware(args.mfu, args.ib_gbs * 1e9, not args.half_duplex, args.latency_scale, args.wlb_token_cap,
-                  args.op_overhead_scale, args.hbm_gb * 1e9)
+    hw = Hardware.from_args(args)
     mode = recompute_mode(arch, ctx, R, hbm=hw.hbm_bytes)
     for s in range(args.seeds):
         for m in range(args.microbatches):
@@ -670,21 +697,7 @@ def simulate_config(model: str, dist: str, gpus: int, ctx: int, args, slow: dict
                     acc.setdefault((policy, pp), []).append((st, rc, p.loads, plan_s * 1e3, {"tasks": p.num_tasks}))
     rows = []
     mb = args.microbatches
-    settings = {
-        "tolerance": args.tolerance,
-        "sync": args.sync,
-        "mfu": hw.linear_mfu,
-        "ib_gbs": hw.ib_bytes_per_s / 1e9,
-        "full_duplex": hw.full_duplex,
-        "latency_scale": hw.latency_scale,
-        "wlb_token_cap": hw.wlb_token_cap,
-        "op_overhead_scale": hw.op_overhead_scale,
-        "hbm_gb": hw.hbm_bytes / 1e9,
-        "upsample": args.upsample,
-        "upsample_threshold": args.upsample_threshold,
-        "cut_docs": args.cut_docs,
-        "cost_model": COST_MODEL,
-    }
+    settings = {**_settings(args, hw), "sync": args.sync}
     for (policy, pp), items in acc.items():
         sts = [i[0] for i in items]
         step = [sum(x.step_s for x in sts[k : k + mb]) for k in range(0, len(sts), mb)]
@@ -752,8 +765,9 @@ PP_POLICIES = ("colocated", "wlb_cp", "wlb_ideal", "distca_stage", "greedy", "di
 and scheduled as a GPipe dependency graph (no tick barrier): ``colocated`` (each DP rank of a stage
 serves its own queries), ``wlb_cp`` (CP groups of c ranks inside a stage, c grid-searched as in 3D),
 ``wlb_ideal`` (WLB-LLM's packing of whole documents into balanced micro-batches of variable length,
-per-document CP in groups of c, c grid-searched: :func:`wlb_ideal_microbatches`) and ``distca_stage`` (distca over one stage's DP ranks, 3D CAD inside each stage). With CAD over the whole
-DP x PP group, tick-synchronous: ``greedy`` and ``distca``, one plan per tick."""
+per-document CP in groups of c, c grid-searched: :func:`wlb_ideal_microbatches`) and ``distca_stage``
+(distca over one stage's DP ranks, 3D CAD inside each stage). With CAD over the whole DP x PP group,
+tick-synchronous: ``greedy`` and ``distca``, one plan per tick."""
 
 TICK_POLICIES = ("greedy", "distca")
 """Policies planned once per tick over all R = DP x PP ranks (idle stages' ranks are servers)."""
@@ -944,34 +958,27 @@ class WlbMicrobatches(NamedTuple):
     plan_s: float
 
 
-def wlb_ideal_microbatches(mbs: list[Layout], c: int, arch: Arch, ctx: int, layers_per_stage: int, shape, cm,
+def wlb_ideal_microbatches(mbs: list[Layout], c: int, arch: Arch, ctx: int, cap_ratio: float, shape, cm,
                            hw: Hardware) -> WlbMicrobatches:  # fmt: skip
     """WLB-ideal with pipeline parallelism at CP degree ``c``: WLB-LLM balances micro-batches too, so
     every whole document of the step's M micro-batches goes to one of M x DP / c bins (:func:`wlb_pack`,
-    each of c ranks x ``ctx`` tokens nominal, at most :func:`wlb_cap` times that); bin i is
-    micro-batch i mod M of replica i // M, costed as per-document CP inside its group (:func:`wlb_cp`)."""
+    each of c ranks x ``ctx`` tokens nominal, at most ``cap_ratio`` times that, :func:`wlb_cap`); bin i
+    is micro-batch i mod M of replica i // M, costed as per-document CP inside its group (:func:`wlb_cp`)."""
     M, DP = len(mbs), mbs[0].ranks
     G = DP // c
-    lens = np.concatenate([lay.doc_lens[np.setdiff1d(np.arange(lay.num_docs), np.asarray(lay.padding, dtype=np.int64))]
-                           for lay in mbs])  # fmt: skip
-    pp = arch.layers // layers_per_stage
-    # A 1F1B baseline holds min(P, M) micro-batches (see simulate_pp_config).
-    packs = wlb_pack(lens, G * M, c, ctx, arch, cm, hw, wlb_cap(arch, ctx, DP, pp, min(pp, M), hw))
+    lens = np.concatenate([lay.doc_lens[~lay.is_padding] for lay in mbs])
+    packs = wlb_pack(lens, G * M, c, ctx, arch, cm, hw, cap_ratio)
     parts: list[list[RankCosts]] = [[None] * G for _ in range(M)]
     tokens = np.zeros((M, DP), dtype=np.int64)
     loads = np.zeros((M, DP))
     plan_s = 0.0
     for i, bin_lens in enumerate(packs):
         m, g = i % M, i // M
-        tok = int(sum(bin_lens))
-        T = max(1, -(-tok // c))
-        pad = c * T - tok
-        glay = Layout(tuple(np.concatenate([[0], np.cumsum(bin_lens + ([pad] if pad else []))]).tolist()), c, T,
-                      padding=(len(bin_lens),) if pad else ())  # fmt: skip
+        glay = _group_layout(bin_lens, c)
         w = wlb_cp(glay, c, shape, cm)
         plan_s += w.plan_s
         parts[m][g] = wlb_costs(w.loads, w.ag_bytes, c, hw)
-        tokens[m, g * c : (g + 1) * c] = T
+        tokens[m, g * c : (g + 1) * c] = glay.tokens_per_rank
         loads[m, g * c : (g + 1) * c] = w.loads
     costs = [_concat_costs(row, c) for row in parts]
     return WlbMicrobatches(costs, tokens, loads.ravel(), plan_s)
@@ -993,8 +1000,7 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
     DP, layers = R // pp, arch.layers // pp
     cm = load_cost_model(COST_MODEL).for_shape(shape)
     pool = load_doclens(dist)
-    hw = Hardware(args.mfu, args.ib_gbs * 1e9, not args.half_duplex, args.latency_scale, args.wlb_token_cap,
-                  args.op_overhead_scale, args.hbm_gb * 1e9)
+    hw = Hardware.from_args(args)
     lin_f, head_f, p2p = linear_fwd_s(arch, ctx, hw), head_fwd_s(arch, ctx, hw), p2p_s(arch, ctx, hw)
     bf = cm.bwd_factor
     cps = [1 << k for k in range(int(math.log2(DP)) + 1) if DP % (1 << k) == 0]
@@ -1005,6 +1011,7 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
     # holding min(P, M). Each side uses the cheapest recomputation its own schedule fits with.
     flight = {"tick": mb, "gpipe": min(pp, mb)}
     mode = {k: recompute_mode(arch, ctx, DP, pp, n, hw.hbm_bytes) for k, n in flight.items()}
+    wlb_ratio = wlb_cap(arch, ctx, DP, pp, flight["gpipe"], hw)
 
     def gpipe(costs, groups, imb, ms, extra=None, op=False, lin=lin_f, head=head_f):
         for ppg in (False, True):
@@ -1044,9 +1051,9 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
                             imb.append(_spread(w.loads))
                         items = gpipe(costs, np.arange(DP) // c, float(np.mean(imb)), ms / mb, (c, 1.0))
                     else:
-                        w = wlb_ideal_microbatches(mbs, c, arch, ctx, layers, shape, cm, hw)
-                        lin = np.vectorize(lambda n: linear_fwd_s(arch, int(n), hw))(w.tokens)
-                        head = np.vectorize(lambda n: head_fwd_s(arch, int(n), hw))(w.tokens)
+                        w = wlb_ideal_microbatches(mbs, c, arch, ctx, wlb_ratio, shape, cm, hw)
+                        lin = np.vectorize(lambda n: linear_fwd_s(arch, int(n), hw))(w.tokens)  # max(): scalars
+                        head = head_fwd_s(arch, w.tokens, hw)
                         extra = (c, float(w.tokens.max()) / ctx)  # its largest micro-batch, for memory
                         items = gpipe(w.costs, np.arange(DP) // c, _spread(w.loads), w.plan_s * 1e3 / mb, extra,
                                       lin=lin, head=head)  # fmt: skip
@@ -1067,13 +1074,7 @@ def simulate_pp_config(model: str, dist: str, gpus: int, ctx: int, pp: int, mb: 
                 for ppg in (False, True):
                     st = pp_tick_step(ticks, pp, layers, lin_f, head_f, bf, ppg, p2p, hw.op_overhead(ppg), mode["tick"])
                     acc.setdefault((policy, ppg), []).append((st, float(np.mean(imb)), ms / n_ticks, None))
-    settings = {
-        "tolerance": args.tolerance, "mfu": hw.linear_mfu, "ib_gbs": hw.ib_bytes_per_s / 1e9,
-        "full_duplex": hw.full_duplex, "latency_scale": hw.latency_scale, "wlb_token_cap": hw.wlb_token_cap,
-        "op_overhead_scale": hw.op_overhead_scale, "hbm_gb": hw.hbm_bytes / 1e9, "upsample": args.upsample,
-        "upsample_threshold": args.upsample_threshold,
-        "cut_docs": args.cut_docs, "cost_model": COST_MODEL,
-    }  # fmt: skip
+    settings = _settings(args, hw)
     rows = []
     for (policy, ppg), items in acc.items():
         sts = [i[0] for i in items]

@@ -502,7 +502,7 @@ def test_wlb_ideal_microbatches_repack_every_document_into_balanced_bins():
     long = Layout.from_doclens([T] * DP, DP, T)
     short = [Layout.from_doclens([1024] * (DP * T // 1024), DP, T) for _ in range(M - 1)]
     mbs = [long, *short]
-    w = simulate.wlb_ideal_microbatches(mbs, c, arch, T, arch.layers // 2, shape, cm, hw)
+    w = simulate.wlb_ideal_microbatches(mbs, c, arch, T, simulate.wlb_cap(arch, T, DP, 2, 2, hw), shape, cm, hw)
     assert len(w.costs) == M and all(len(x.attn_fwd) == DP for x in w.costs)
     assert w.tokens.sum() == M * DP * T and np.all(w.tokens[:, ::c] == w.tokens[:, 1::c])
     lin = np.vectorize(lambda n: 3 * simulate.linear_fwd_s(arch, int(n), hw))
