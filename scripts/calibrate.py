@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from dataclasses import asdict
@@ -124,7 +125,7 @@ def fit(rows: list[dict], args: argparse.Namespace, desc: str) -> tuple[CostMode
     e_b, e_f = np.abs(pred / y - 1), np.abs(pred / tf - 1)
     errs = (float(np.median(e_b)), float(np.max(e_b)), float(np.median(e_f)), float(np.max(e_f)))
     cm = CostModel(
-        name=args.name or args.device.split(":")[0],
+        name=args.name or default_name(torch.device(args.device)),
         pair_s=pair_s,
         q_token_s=q_s,
         kv_token_s=kv_s,
@@ -183,7 +184,25 @@ def measure_link(sizes_mib: list[int] = (4, 16, 32), repeats: int = 3, timeout: 
     return max(slope, 0.0), points
 
 
-def main(argv: list[str] | None = None) -> int:
+def gpu_slug(device_name: str) -> str:
+    """A cost model name from a GPU's name: ``"NVIDIA H200"`` -> ``"h200"``, ``"NVIDIA A100-SXM4-80GB"``
+    -> ``"a100"``, ``"NVIDIA GeForce RTX 4090"`` -> ``"rtx4090"``."""
+    words = [w for w in re.split(r"[^a-z0-9]+", device_name.lower()) if w and w not in ("nvidia", "geforce", "tesla")]
+    if not words:
+        return "gpu"
+    if words[0] in ("rtx", "gtx", "quadro") and len(words) > 1:
+        return words[0] + words[1]
+    return words[0]
+
+
+def default_name(device: torch.device) -> str:
+    """The cost model name ``--name`` defaults to: the GPU's (:func:`gpu_slug`), else the device type."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return gpu_slug(torch.cuda.get_device_name(device))
+    return device.type
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
@@ -195,12 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=4096, help="query rows per measured batch")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--name", default=None, help="cost model name (default: the device type)")
+    ap.add_argument("--name", default=None, help="cost model name (default: the GPU's, e.g. h200; else the device type)")
     ap.add_argument("--write", action="store_true", help="store distca/data/cost_<name>.json")
     ap.add_argument("--out", default=None, help="also write the fit and measurements to this JSON file")
     ap.add_argument("--refit", default=None, help="fit the measurements stored in this JSON file (--out's, or gpu_check's calibration.json) instead of measuring")
     ap.add_argument("--link", action="store_true", help="measure the CA transport (link_byte_s) instead of the kernel")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     if args.link:
         slope, points = measure_link()
         for mib, cpu in points:

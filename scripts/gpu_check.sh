@@ -7,15 +7,18 @@
 #   bash scripts/gpu_check.sh --prepare-wheels   # on a machine WITH internet: fetch the trainer's
 #                                                # missing pure-Python wheels into .gpu_check_wheels/
 #
-# Stages (each with its own time limit; a failing stage is recorded and the next one runs):
-#   deps       trainer packages missing? install them from .gpu_check_wheels/ (local files only)
+# Stages (each with its own time limit; a failing stage is recorded and the next one runs). Every
+# stage but deps is a pytest run: `tests` the CUDA tests of the suite, the others the tests of
+# tests/test_gpu.py named test_<stage>_*, which record their results as JSON in the results folder.
+#   deps       packages missing? install them from .gpu_check_wheels/ (local files only)
 #   env        env.json: GPU, driver, torch/CUDA/NCCL, flash-attn or not, the attention backend
-#   tests      the CUDA tests (pytest -m cuda) -> pytest_junit.xml, pytest.json
-#   op         distca.core_attention on the GPU vs SDPA, process group of 1 -> op_check.json
-#   bench      fused-shard kernel efficiency vs shard size -> kernel_bench.json, kernel_efficiency.png
-#   calibrate  the CA cost model for this GPU -> cost_<gpu>.json, calibration.json, calibration.png
+#   tests      the suite's CUDA tests (pytest -m cuda tests) -> pytest_junit.xml
+#   op         distca.core_attention on the GPU vs attention per document, NCCL group of 1 -> op_check.json
+#   bench      fused-shard kernel efficiency vs shard size -> kernel_bench.json
+#   calibrate  the CA cost model for this GPU -> cost_<gpu>.json, calibration.json
 #   train      torchtitan smoke run, 1 GPU, CAD on (train_configs/debug_gpu.toml) -> train_smoke.json
-#   summary    summary.json (every stage's status, time and headline numbers)
+#   summary    scripts/gpu_check_report.py: summary.json (every stage's status, time and headline
+#              numbers), pytest.json (every test's outcome), kernel_efficiency.png, calibration.png
 # Logs: logs/<stage>.log. Exit status: 0 all stages ok, 1 some stage failed, timed out or was
 # skipped for a missing package, 2 no CUDA GPU visible (nothing run), 64 bad arguments.
 #
@@ -24,9 +27,7 @@
 # GPU_CHECK_STAGES (= --stages, comma list), GPU_CHECK_BUDGET (total seconds, default 450),
 # GPU_CHECK_WHEELS (wheel folder, default .gpu_check_wheels), GPU_CHECK_PACK (0/1: pack results
 # into gpu_check.tar.gz plus headline files; default 1 when the folder is $OUT),
-# GPU_CHECK_TRAIN_ARGS (extra trainer flags, e.g. "--training.steps 50 --compile.enable"),
-# GPU_CHECK_TRAIN_PG_BACKEND (the smoke run's process group: auto = what torchtitan asks for (NCCL),
-# or e.g. cuda:nccl,cpu:gloo to add a gloo CPU backend; see docs/gpu.md).
+# GPU_CHECK_TRAIN_ARGS (extra trainer flags, e.g. "--training.steps 50 --compile.enable").
 set -u -o pipefail
 
 CALLER_PWD=$PWD
@@ -42,7 +43,6 @@ BUDGET=${GPU_CHECK_BUDGET:-450}
 WHEELS=${GPU_CHECK_WHEELS:-$REPO/.gpu_check_wheels}
 PACK=${GPU_CHECK_PACK:-auto}
 TRAIN_EXTRA=${GPU_CHECK_TRAIN_ARGS:-}
-TRAIN_PG=${GPU_CHECK_TRAIN_PG_BACKEND:-auto}
 PREPARE=0
 while [ $# -gt 0 ]; do
   case $1 in
@@ -65,11 +65,12 @@ case $BUDGET in ''|*[!0-9]*) echo "gpu_check: --budget must be whole seconds, go
 case ${PYTHON:-} in ''|/*) ;; */*) PYTHON=$CALLER_PWD/$PYTHON ;; esac
 case $WHEELS in /*) ;; *) WHEELS=$CALLER_PWD/$WHEELS ;; esac
 
-# Pure-Python packages the torchtitan trainer needs beyond a CUDA PyTorch image (torch, numpy,
-# pyarrow, pandas, tokenizers, tensorboard, einops, fsspec, huggingface_hub, pytest, matplotlib are
-# expected there). Versions: the ones the CPU set-up runs with (Makefile).
-WHEEL_SPECS="torchtitan==0.2.2 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19"
+# Pure-Python packages the torchtitan trainer and the tests need beyond a CUDA PyTorch image (torch,
+# numpy, pyarrow, pandas, tokenizers, tensorboard, einops, fsspec, huggingface_hub, pytest,
+# matplotlib are expected there). Versions: the ones the CPU set-up runs with (Makefile).
+WHEEL_SPECS="torchtitan==0.2.2 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 hypothesis==6.170.17 sortedcontainers==2.4.0"
 TRAIN_MODULES="torchtitan tyro torchdata datasets tokenizers"
+TEST_MODULES="pytest hypothesis"
 
 if [ "$PREPARE" = 1 ]; then
   PYV=${GPU_CHECK_WHEELS_PY:-3.12}
@@ -192,12 +193,14 @@ skip_stage() {  # name timeout reason
 have() { "$PY" -c "import importlib.util, sys; sys.exit(0 if all(importlib.util.find_spec(m) for m in sys.argv[1:]) else 1)" "$@" 2>/dev/null; }
 missing() { local m out=; for m in "$@"; do have "$m" || out+="$m "; done; echo "${out% }"; }
 
-# ---- deps: the trainer's packages, from local wheels only ------------------------------------------
-TRAIN_OK=1 TRAIN_WHY=
+# ---- deps: the packages the stages need, from local wheels only --------------------------------------
+NEED=$TEST_MODULES
+want train && NEED+=" $TRAIN_MODULES"
+TRAIN_OK=1 TRAIN_WHY= TESTS_WHY=
 if [ "$DRY" = 1 ]; then
-  printf '# deps: if any of [%s] is missing, install %s/*.whl with pip --no-index into a temporary folder on PYTHONPATH\n' "$TRAIN_MODULES" "$WHEELS"
-elif want train; then
-  miss=$(missing $TRAIN_MODULES)
+  printf '# deps: if any of [%s] is missing, install %s/*.whl with pip --no-index into a temporary folder on PYTHONPATH\n' "$NEED" "$WHEELS"
+else
+  miss=$(missing $NEED)
   if [ -n "$miss" ] && compgen -G "$WHEELS/*.whl" >/dev/null; then
     log "deps: missing [$miss]; installing $(ls "$WHEELS"/*.whl | wc -l) local wheels from $WHEELS"
     t=$(date +%s)
@@ -206,7 +209,7 @@ elif want train; then
          --target "$SITE" "$WHEELS"/*.whl >"$RES/logs/deps.log" 2>&1; then
       export PYTHONPATH="$SITE:$PYTHONPATH"
     fi
-    miss2=$(missing $TRAIN_MODULES)
+    miss2=$(missing $NEED)
     if [ -z "$miss2" ]; then record deps ok 0 $(( $(date +%s) - t )) 60 "installed local wheels for: $miss"
     else record deps failed 1 $(( $(date +%s) - t )) 60 "still missing after installing local wheels: $miss2 (logs/deps.log)"; fi
     miss=$miss2
@@ -215,57 +218,36 @@ elif want train; then
   else
     record deps ok 0 0 0 "all present"
   fi
-  if [ -n "$miss" ]; then
-    TRAIN_OK=0
-    TRAIN_WHY="trainer packages missing: $miss (run 'bash scripts/gpu_check.sh --prepare-wheels' on a machine with internet and bring $WHEELS along; docs/gpu.md)"
-    log "deps: $TRAIN_WHY"
-  fi
+  fix="run 'bash scripts/gpu_check.sh --prepare-wheels' on a machine with internet and bring $WHEELS along; docs/gpu.md"
+  miss_train=$(missing $TRAIN_MODULES)
+  [ -n "$miss_train" ] && { TRAIN_OK=0; TRAIN_WHY="trainer packages missing: $miss_train ($fix)"; }
+  miss_tests=$(missing $TEST_MODULES)
+  [ -n "$miss_tests" ] && TESTS_WHY="test packages missing: $miss_tests ($fix)"
+  [ -n "$miss" ] && log "deps: missing $miss ($fix)"
 fi
 
-# ---- stages ---------------------------------------------------------------------------------------
-STAGE_PY=scripts/_gpu_check_stages.py
-run_stage env 30 "$PY" "$STAGE_PY" env --out "$RES"
-
-# CUDA tests: every test file with a cuda-marked test. Without hypothesis (test_ops.py and the
-# conftest import it) only the files that do not need it run.
-TEST_FILES=()
-for f in tests/test_*.py; do
-  grep -q 'pytest.mark.cuda' "$f" || continue
-  if [ "$DRY" != 1 ] && ! have hypothesis && grep -q '^from hypothesis\|^import hypothesis' "$f"; then continue; fi
-  TEST_FILES+=("$f")
-done
-PYTEST_OPTS=(-m cuda -p no:cacheprovider -q -rA --junitxml "$RES/pytest_junit.xml")
-if [ "$DRY" != 1 ] && ! have hypothesis; then PYTEST_OPTS+=(--noconftest); fi
-if [ "$DRY" != 1 ] && ! have pytest; then
-  skip_stage tests 75 "pytest is not installed for $PY"
-elif [ ${#TEST_FILES[@]} = 0 ]; then
-  skip_stage tests 75 "no test file with a cuda-marked test"
+# ---- stages: pytest runs ------------------------------------------------------------------------------
+# stage_tests NAME LIMIT: the tests of tests/test_gpu.py named test_NAME_*, results into $RES.
+PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rA)
+stage_tests() {
+  local name=$1 limit=$2; shift 2
+  if [ -n "$TESTS_WHY" ]; then skip_stage "$name" "$limit" "$TESTS_WHY"; return 0; fi
+  run_stage "$name" "$limit" "${PYTEST[@]}" tests/test_gpu.py -m cuda -k "test_${name}_" \
+    --gpu-check-out "$RES" --junitxml "$RES/logs/$name.xml" "$@"
+}
+stage_tests env 30
+# The suite's CUDA tests: the kernels and the op against the float64 reference, both backends.
+if [ -n "$TESTS_WHY" ]; then
+  skip_stage tests 75 "$TESTS_WHY"
 else
-  run_stage tests 75 "$PY" -m pytest "${PYTEST_OPTS[@]}" "${TEST_FILES[@]}"
+  run_stage tests 75 "${PYTEST[@]}" tests -m cuda --ignore tests/test_gpu.py --junitxml "$RES/pytest_junit.xml"
 fi
-
-run_stage op 45 "$PY" "$STAGE_PY" op --out "$RES"
-
-# Kernel benchmark at Llama-3-8B attention shapes (GQA 32/8, head dim 128), bf16. 16-token shards
-# of a 16K document need ~190 GiB in the GQA backward (dk/dv expanded to 32 heads); a shard size
-# that does not fit is recorded as out of memory and the others still run.
-run_stage bench 60 "$PY" "$STAGE_PY" bench --out "$RES" -- \
-  --device cuda --dtype bfloat16 --heads 32 --kv-heads 8 --head-dim 128 --doc-len 16384 \
-  --shards 16,32,64,128,256,512,1024,2048,4096,8192 --repeats 5
-
-# Cost model for this GPU, same shapes (cost_h200.json's reference shape); 1024 query rows per
-# batch keeps the largest batch (16-token shards at depth 16384) near 2M KV rows.
-run_stage calibrate 90 "$PY" "$STAGE_PY" calibrate --out "$RES" --name auto -- \
-  --device cuda --dtype bf16 --heads 32 --kv-heads 8 --head-dim 128 \
-  --shards 16 32 64 128 256 512 1024 2048 4096 --depths 1024 4096 16384 --rows 1024 --repeats 5
-
+stage_tests op 45
+stage_tests bench 60
+stage_tests calibrate 90
 # Training smoke run: 1 process (one GPU: a CA group of 1), CAD on, planning with the fresh cost model.
-# shellcheck disable=SC2206
-EXTRA=($TRAIN_EXTRA)
 if [ "$TRAIN_OK" = 1 ]; then
-  run_stage train 150 "$PY" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node 1 \
-    "$STAGE_PY" train --out "$RES" --calibrated "$RES" --pg-backend "$TRAIN_PG" -- \
-    --job.config_file train_configs/debug_gpu.toml --job.dump_folder "$WORK/train_dump" ${EXTRA[@]+"${EXTRA[@]}"}
+  stage_tests train 150 --gpu-check-train-args "$TRAIN_EXTRA"
 else
   skip_stage train 150 "$TRAIN_WHY"
 fi
@@ -273,7 +255,7 @@ fi
 [ "$DRY" = 1 ] && exit 0
 
 # ---- summary and packing ----------------------------------------------------------------------------
-timeout 20 "$PY" "$STAGE_PY" summary --out "$RES" --total-seconds $(( $(date +%s) - T0 )) 2>&1 | tee "$RES/logs/summary.log"
+timeout 20 "$PY" scripts/gpu_check_report.py --out "$RES" --total-seconds $(( $(date +%s) - T0 )) 2>&1 | tee "$RES/logs/summary.log"
 if [ "$PACK" = 1 ]; then
   tar -czf "$OUT_DIR/gpu_check.tar.gz" -C "$RES" . &&
     for f in summary.json env.json kernel_efficiency.png calibration.png "$RES"/cost_*.json; do

@@ -29,7 +29,7 @@ def varlen_attention(q, k, v, cu_q, cu_k, scale, causal):
         s = torch.matmul(qi, ki.transpose(1, 2)) * scale  # [Hq, Lq, Lk]
         if causal:
             lq, lk = q1 - q0, k1 - k0
-            hidden = torch.ones(lq, lk, dtype=torch.bool).triu(lk - lq + 1)
+            hidden = torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu(lk - lq + 1)
             s = s.masked_fill(hidden, float("-inf"))
         lse = torch.logsumexp(s, dim=-1)  # [Hq, Lq]
         shift = lse.masked_fill(lse.isinf(), 0.0).unsqueeze(-1)  # empty rows: exp(-inf) = 0
@@ -80,6 +80,12 @@ def max_abs(x: torch.Tensor) -> float:
     return x.abs().max().item() if x.numel() else 0.0
 
 
+def low_precision_tol(low: torch.Tensor, ref: torch.Tensor) -> float:
+    """Allowed max abs error of a bf16/fp16 result against ``ref``: twice the error of ``low``
+    (the same computation done by the reference in that dtype) plus :data:`BF16_SLACK`."""
+    return 2 * max_err(low, ref) + BF16_SLACK
+
+
 def assert_matches_reference(got, q, k, v, cu_q, cu_k, scale, causal, dout, dlse=None):
     """``got = (out, lse, dq, dk, dv)`` vs the fp64 oracle, by q's dtype's rule."""
     names = ("out", "lse", "dq", "dk", "dv")
@@ -92,7 +98,7 @@ def assert_matches_reference(got, q, k, v, cu_q, cu_k, scale, causal, dout, dlse
     low = with_grads(q, k, v, cu_q, cu_k, scale, causal, dout, dlse, dtype=q.dtype)
     for name, g, r, lo in zip(names, got, ref, low):
         assert g.shape == r.shape, name
-        assert max_err(g, r) <= 2 * max_err(lo, r) + BF16_SLACK, name
+        assert max_err(g, r) <= low_precision_tol(lo, r), name
     # lse is accumulated in fp32 by every kernel; the bf16 reference's lse is far
     # coarser, so bound it directly too.
     assert max_err(got[1], ref[1]) <= 1e-3 * (1 + max_abs(ref[1])), "lse"
@@ -103,18 +109,19 @@ def attention(q, k, v, cu, padding=()):
     themselves; rows of ``padding`` documents are 0 (so their q, k, v get no gradient)."""
     out, _ = varlen_attention(q, k, v, list(cu), list(cu), q.shape[-1] ** -0.5, True)
     if padding:
-        keep = torch.ones(q.shape[0], dtype=torch.bool)
+        keep = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
         for d in padding:
             keep[cu[d] : cu[d + 1]] = False
         out = out * keep[:, None, None].to(out.dtype)
     return out
 
 
-def op_reference(cu, q, k, v, dout, padding=()):
-    """fp64 ``(out, dq, dk, dv)`` of :func:`attention`; rows of padding documents: out 0, gradients 0."""
-    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+def op_reference(cu, q, k, v, dout, padding=(), dtype=torch.float64):
+    """``(out, dq, dk, dv)`` of :func:`attention` computed in ``dtype`` (fp64 by default) on q's
+    device; rows of padding documents: out 0, gradients 0."""
+    q64, k64, v64 = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
     out = attention(q64, k64, v64, cu, padding)
-    loss = (out * dout.double()).sum()
+    loss = (out * dout.to(dtype)).sum()
     if loss.requires_grad:  # not when every row is padding
         loss.backward()
     return out.detach(), *(torch.zeros_like(x) if x.grad is None else x.grad for x in (q64, k64, v64))
