@@ -194,8 +194,9 @@ have() { "$PY" -c "import importlib.util, sys; sys.exit(0 if all(importlib.util.
 missing() { local m out=; for m in "$@"; do have "$m" || out+="$m "; done; echo "${out% }"; }
 
 # ---- deps: the packages the stages need, from local wheels only --------------------------------------
+# (The suite's test modules import the trainer's packages too: the tests stage collects them all.)
 NEED=$TEST_MODULES
-want train && NEED+=" $TRAIN_MODULES"
+{ want train || want tests; } && NEED+=" $TRAIN_MODULES"
 TRAIN_OK=1 TRAIN_WHY= TESTS_WHY=
 if [ "$DRY" = 1 ]; then
   printf '# deps: if any of [%s] is missing, install %s/*.whl with pip --no-index into a temporary folder on PYTHONPATH\n' "$NEED" "$WHEELS"
