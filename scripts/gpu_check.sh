@@ -66,9 +66,9 @@ case ${PYTHON:-} in ''|/*) ;; */*) PYTHON=$CALLER_PWD/$PYTHON ;; esac
 case $WHEELS in /*) ;; *) WHEELS=$CALLER_PWD/$WHEELS ;; esac
 
 # Pure-Python packages the torchtitan trainer and the tests need beyond a CUDA PyTorch image (torch,
-# numpy, pyarrow, pandas, tokenizers, tensorboard, einops, fsspec, huggingface_hub, pytest,
-# matplotlib are expected there). Versions: the ones the CPU set-up runs with (Makefile).
-WHEEL_SPECS="torchtitan==0.2.2 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 hypothesis==6.170.17 sortedcontainers==2.4.0"
+# numpy, pyarrow, pandas, tokenizers, tensorboard, einops, fsspec, huggingface_hub, matplotlib are
+# expected there; pytest usually is, and comes along in case). Versions: the CPU set-up's (Makefile).
+WHEEL_SPECS="torchtitan==0.2.2 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 hypothesis==6.170.17 sortedcontainers==2.4.0 pytest==9.2.0 iniconfig==2.3.1 pluggy==1.7.0 packaging==26.4 pygments==2.21.0"
 TRAIN_MODULES="torchtitan tyro torchdata datasets tokenizers"
 TEST_MODULES="pytest hypothesis"
 
