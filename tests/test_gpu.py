@@ -31,8 +31,7 @@ import pytest
 import torch
 
 import distca
-from _gpu_check import BENCH_ARGS, CALIBRATE_ARGS, D, DOCS, HKV, HQ, NANO_DOCS, REPEATS, REPO, T
-from _gpu_check import script as _script
+from _gpu_check import BENCH_ARGS, CALIBRATE_ARGS, D, DOCS, HKV, HQ, NANO_DOCS, REPEATS, REPO, T, script
 from _gpu_check import trainer_argv, trainer_config
 from _reference import low_precision_tol, max_err, op_reference
 from distca.kernels import select_backend, varlen_attn_backward, varlen_attn_forward
@@ -133,7 +132,7 @@ def test_env_cuda_and_attention_backend(out):
              "multiprocessors": p.multi_processor_count}
         )  # fmt: skip
     info["gpu"] = info["devices"][0]["name"]
-    info["gpu_slug"] = _script("calibrate").gpu_slug(info["gpu"])
+    info["gpu_slug"] = script("calibrate").gpu_slug(info["gpu"])
     info["cudnn"] = torch.backends.cudnn.version()
     v = torch.cuda.nccl.version()
     info["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
@@ -178,6 +177,12 @@ def _references(lens: list[int], q, k, v, dout):
     return op_reference(cu, q, k, v, dout, dtype=torch.float32), op_reference(cu, q, k, v, dout, dtype=torch.bfloat16)
 
 
+@pytest.fixture(scope="module")
+def doc_refs(qkv):
+    """:func:`_references` of DOCS (both modes compare against it)."""
+    return _references(DOCS, *qkv)
+
+
 def _compare(got, ref, low) -> dict:
     """Per tensor: max abs error against the fp32 reference, the bf16 tolerance, ok."""
     errs = {}
@@ -210,12 +215,12 @@ def test_op_prepare_on_nccl_only_group(out, nccl_world, qkv):
 
 
 @pytest.mark.parametrize("mode", ["resend", "keep"])
-def test_op_matches_reference(out, nccl_world, qkv, mode):
+def test_op_matches_reference(out, nccl_world, qkv, doc_refs, mode):
     """core_attention forward and backward, bf16 on the GPU, against fp32 attention per document."""
     q, k, v, dout = qkv
     cu = _cu(DOCS)
     got = _op_fwd_bwd(q, k, v, dout, cu, distca.prepare(cu), mode)
-    errs = _compare(got, *_references(DOCS, q, k, v, dout))
+    errs = _compare(got, *doc_refs)
     _record(
         out, "op_check.json", device=torch.cuda.get_device_name(), dtype=str(q.dtype).removeprefix("torch."), tokens=T, heads=HQ,
         kv_heads=HKV, head_dim=D, docs=DOCS, kernel_backend=select_backend("cuda"), **{f"check_{mode}": errs},
@@ -261,7 +266,7 @@ def test_op_overhead_against_bare_kernel(out, nccl_world, qkv):
     times["op_fwdbwd_s"] = _median_s(lambda: _op_fwd_bwd(q, k, v, dout, cu, plan))
     times["kernel_fwdbwd_s"] = _median_s(kernel_fwd_bwd)
     _record(out, "op_check.json", **times)
-    rows = _script("bench_attention").overhead_rows(
+    rows = script("bench_attention").overhead_rows(
         tokens_per_rank=T, short_doc=256, heads=HQ, kv_heads=HKV, head_dim=D, dtype=torch.bfloat16,
         device="cuda", repeats=REPEATS, backend=backend, case="group1",
     )  # fmt: skip
@@ -275,7 +280,7 @@ def test_op_overhead_against_bare_kernel(out, nccl_world, qkv):
 def test_bench_kernel_efficiency(out):
     """One 16K-token document cut into query shards, all shards in one fused call, against the
     whole document (kernel_bench.json). Only out-of-memory may stop a shard size."""
-    ba = _script("bench_attention")
+    ba = script("bench_attention")
     base = ba._parse_args(BENCH_ARGS)
     res: dict = {"args": vars(base).copy(), "rows": [], "errors": [], "device_name": torch.cuda.get_device_name()}
     res["backend"] = select_backend(base.device, base.backend)
@@ -308,7 +313,7 @@ def test_calibrate_cost_model(out):
     shipped model's error on the same measurements); the planner balances with it."""
     from distca.cost import CostModel, ModelShape, causal_pairs, load_cost_model
 
-    cal = _script("calibrate")
+    cal = script("calibrate")
     ns = cal._parse_args(CALIBRATE_ARGS)
     name = cal.default_name(torch.device("cuda"))
     raw = out / "calibration_raw.json"
