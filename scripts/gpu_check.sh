@@ -197,7 +197,7 @@ missing() { local m out=; for m in "$@"; do have "$m" || out+="$m "; done; echo 
 # (The suite's test modules import the trainer's packages too: the tests stage collects them all.)
 NEED=$TEST_MODULES
 { want train || want tests; } && NEED+=" $TRAIN_MODULES"
-TRAIN_OK=1 TRAIN_WHY= TESTS_WHY=
+TRAIN_OK=1 TRAIN_WHY= PYTEST_WHY= SUITE_WHY=
 if [ "$DRY" = 1 ]; then
   printf '# deps: if any of [%s] is missing, install %s/*.whl with pip --no-index into a temporary folder on PYTHONPATH\n' "$NEED" "$WHEELS"
 else
@@ -222,24 +222,26 @@ else
   fix="run 'bash scripts/gpu_check.sh --prepare-wheels' on a machine with internet and bring $WHEELS along; docs/gpu.md"
   miss_train=$(missing $TRAIN_MODULES)
   [ -n "$miss_train" ] && { TRAIN_OK=0; TRAIN_WHY="trainer packages missing: $miss_train ($fix)"; }
+  have pytest || PYTEST_WHY="pytest is missing ($fix)"
   miss_tests=$(missing $TEST_MODULES)
-  [ -n "$miss_tests" ] && TESTS_WHY="test packages missing: $miss_tests ($fix)"
+  [ -n "$miss_tests" ] && SUITE_WHY="test packages missing: $miss_tests ($fix)"
   [ -n "$miss" ] && log "deps: missing $miss ($fix)"
 fi
 
 # ---- stages: pytest runs ------------------------------------------------------------------------------
-# stage_tests NAME LIMIT: the tests of tests/test_gpu.py named test_NAME_*, results into $RES.
+# stage_tests NAME LIMIT: the tests of tests/test_gpu.py named test_NAME_*, results into $RES
+# (they need pytest only; the suite's tests also need hypothesis).
 PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rA)
 stage_tests() {
   local name=$1 limit=$2; shift 2
-  if [ -n "$TESTS_WHY" ]; then skip_stage "$name" "$limit" "$TESTS_WHY"; return 0; fi
+  if [ -n "$PYTEST_WHY" ]; then skip_stage "$name" "$limit" "$PYTEST_WHY"; return 0; fi
   run_stage "$name" "$limit" "${PYTEST[@]}" tests/test_gpu.py -m cuda -k "test_${name}_" \
     --gpu-check-out "$RES" --junitxml "$RES/logs/$name.xml" "$@"
 }
 stage_tests env 30
 # The suite's CUDA tests: the kernels and the op against the float64 reference, both backends.
-if [ -n "$TESTS_WHY" ]; then
-  skip_stage tests 75 "$TESTS_WHY"
+if [ -n "$SUITE_WHY" ]; then
+  skip_stage tests 75 "$SUITE_WHY"
 else
   run_stage tests 75 "${PYTEST[@]}" tests -m cuda --ignore tests/test_gpu.py --junitxml "$RES/pytest_junit.xml"
 fi
