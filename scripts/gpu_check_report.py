@@ -99,7 +99,10 @@ def headlines(out: Path, tests: dict[str, dict]) -> dict:
             **{k: v for k, v in op.items() if k.endswith("_s")},
         }
         if isinstance(op.get("overhead"), list):
-            head["op"]["overhead_fwdbwd_pct"] = {r["layout"]: round(r["overhead_fwdbwd_pct"], 1) for r in op["overhead"]}
+            head["op"]["overhead_fwdbwd"] = {
+                r["layout"]: [round(1e3 * r["op_fwdbwd_s"], 3), round(1e3 * r["bare_fwdbwd_s"], 3), round(r["overhead_fwdbwd_pct"], 1)]
+                for r in op["overhead"]
+            } | {"_columns": "layout: [op ms, bare kernel ms, overhead %] (forward + backward)"}
     bench = _load(out / "kernel_bench.json")
     if bench is not None and bench.get("rows"):
         head["kernel_efficiency"] = {

@@ -34,7 +34,7 @@ import distca
 from _gpu_check import BENCH_ARGS, CALIBRATE_ARGS, D, DOCS, HKV, HQ, NANO_DOCS, REPEATS, REPO, T, script
 from _gpu_check import trainer_argv, trainer_config
 from _reference import low_precision_tol, max_err, op_reference
-from distca.kernels import select_backend, varlen_attn_backward, varlen_attn_forward
+from distca.kernels import select_backend
 
 pytestmark = pytest.mark.cuda
 
@@ -62,23 +62,6 @@ def _record(out: Path, file: str, **entries) -> None:
     data = json.loads(path.read_text()) if path.exists() else {}
     data.update(entries)
     path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
-
-
-def _sync() -> None:
-    torch.cuda.synchronize()
-
-
-def _median_s(fn, repeats: int = REPEATS) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs after one warm-up, CUDA-synchronized."""
-    ts = []
-    for i in range(repeats + 1):
-        _sync()
-        t = time.perf_counter()
-        fn()
-        _sync()
-        if i:
-            ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
 
 
 # ---- env ------------------------------------------------------------------------------------
@@ -246,31 +229,17 @@ def test_op_nano_batches_keep_documents_whole(out, nccl_world, qkv):
 
 
 def test_op_overhead_against_bare_kernel(out, nccl_world, qkv):
-    """The op (a group of 1: no exchange) against the bare fused kernel on the same tasks; timings
-    recorded. bench_attention's overhead rows assert that both compute the same result."""
+    """The op (a group of 1: no exchange) against the bare fused kernel on the plan's own tasks, on
+    DOCS and on bench_attention's overhead layouts; timings recorded. bench_attention asserts that
+    both compute the same result."""
+    ba = script("bench_attention")
     q, k, v, dout = qkv
-    cu = _cu(DOCS)
-    plan = distca.prepare(cu)
-    backend = select_backend("cuda")
-    meta = (cu.cuda(), cu.cuda(), max(DOCS), max(DOCS), D**-0.5, True, backend)
-
-    def kernel_fwd_bwd():
-        o, lse = varlen_attn_forward(q, k, v, *meta)
-        varlen_attn_backward(dout, q, k, v, o, lse, *meta)
-
-    with torch.no_grad():
-        times = {
-            "op_fwd_s": _median_s(lambda: distca.core_attention(q, k, v, cu, plan=plan)),
-            "kernel_fwd_s": _median_s(lambda: varlen_attn_forward(q, k, v, *meta)),
-        }
-    times["op_fwdbwd_s"] = _median_s(lambda: _op_fwd_bwd(q, k, v, dout, cu, plan))
-    times["kernel_fwdbwd_s"] = _median_s(kernel_fwd_bwd)
-    _record(out, "op_check.json", **times)
-    rows = script("bench_attention").overhead_rows(
-        tokens_per_rank=T, short_doc=256, heads=HQ, kv_heads=HKV, head_dim=D, dtype=torch.bfloat16,
-        device="cuda", repeats=REPEATS, backend=backend, case="group1",
+    docs = {"case": "group1", "layout": "docs", **ba.measure_overhead(_cu(DOCS).tolist(), q, k, v, dout, repeats=REPEATS)}
+    rows = ba.overhead_rows(
+        tokens_per_rank=T, short_doc=256, heads=HQ, kv_heads=HKV, head_dim=D, dtype=q.dtype,
+        device="cuda", repeats=REPEATS, case="group1",
     )  # fmt: skip
-    _record(out, "op_check.json", overhead=rows)
+    _record(out, "op_check.json", overhead=[docs, *rows])
     assert [r["layout"] for r in rows] == ["whole", "short", "mixed"]
 
 

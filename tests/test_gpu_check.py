@@ -169,7 +169,8 @@ def _results(out: Path, op_outcome: str = "passed") -> None:
     (out / "env.json").write_text(json.dumps({"gpu": "NVIDIA H200", "torch": "2.11.0", "torch_cuda": "13.0",
                                               "modules": {"flash_attn": None}, "attention_backend": "torch_varlen"}))  # fmt: skip
     err = {"max_abs_err": 0.01, "tol": 0.05, "ok": True}
-    (out / "op_check.json").write_text(json.dumps({"nccl_only_group": "ok", "op_fwd_s": 0.0033,
+    overhead = {"layout": "docs", "op_fwdbwd_s": 0.0117, "bare_fwdbwd_s": 0.0093, "overhead_fwdbwd_pct": 25.81}
+    (out / "op_check.json").write_text(json.dumps({"nccl_only_group": "ok", "prepare_s": 0.58, "overhead": [overhead],
                                                    "check_keep": {"out": err, "dv": err | {"max_abs_err": 0.04}}}))  # fmt: skip
     row = {"shard": 128, "efficiency_fwd": 0.99, "efficiency_fwdbwd": 0.541, "whole_tflops_fwd": 337.04}
     args = {"device": "cuda", "dtype": "bfloat16", "heads": HQ, "kv_heads": HKV, "head_dim": D, "doc_len": T}
@@ -205,7 +206,8 @@ def test_report_turns_stage_results_into_the_summary(tmp_path, op_outcome):
                                                             "tests.test_gpu::test_op_matches_reference[keep]"]  # fmt: skip
     assert s["headlines"]["cuda_tests"]["passed"] == 1 and s["headlines"]["cuda_tests"]["skipped"] == 1
     assert s["headlines"]["op"]["err_over_tol"] == {"keep": [0.8, True]}
-    assert s["headlines"]["op"]["prepare_on_nccl_only_group"] == "ok" and s["headlines"]["op"]["op_fwd_s"] == 0.0033
+    assert s["headlines"]["op"]["prepare_on_nccl_only_group"] == "ok" and s["headlines"]["op"]["prepare_s"] == 0.58
+    assert s["headlines"]["op"]["overhead_fwdbwd"]["docs"] == [11.7, 9.3, 25.8]
     tests = json.loads((out / "pytest.json").read_text())
     assert sorted(tests) == ["env", "op", "tests"] and tests["op"]["counts"][op_outcome] == 2
     assert s["headlines"]["kernel_efficiency"]["128"] == [0.99, 0.541]
