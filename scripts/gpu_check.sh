@@ -195,7 +195,8 @@ missing() { local m out=; for m in "$@"; do have "$m" || out+="$m "; done; echo 
 
 # ---- deps: the packages the stages need, from local wheels only --------------------------------------
 # (The suite's test modules import the trainer's packages too: the tests stage collects them all.)
-NEED=$TEST_MODULES
+NEED=pytest
+want tests && NEED=$TEST_MODULES
 { want train || want tests; } && NEED+=" $TRAIN_MODULES"
 TRAIN_OK=1 TRAIN_WHY= PYTEST_WHY= SUITE_WHY=
 if [ "$DRY" = 1 ]; then
