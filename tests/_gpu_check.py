@@ -4,8 +4,9 @@ which checks them on any machine."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import shlex
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,11 +39,10 @@ TRAIN_CONFIG = "train_configs/debug_gpu.toml"
 
 
 def script(name: str):
-    """``scripts/<name>.py`` as a module (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """``scripts/<name>.py`` as a module (the scripts are not a package; imported once)."""
+    if str(REPO / "scripts") not in sys.path:
+        sys.path.insert(0, str(REPO / "scripts"))
+    return importlib.import_module(name)
 
 
 def trainer_argv(out: Path, dump: Path, extra: str) -> list[str]:

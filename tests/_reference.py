@@ -119,12 +119,12 @@ def attention(q, k, v, cu, padding=()):
 def op_reference(cu, q, k, v, dout, padding=(), dtype=torch.float64):
     """``(out, dq, dk, dv)`` of :func:`attention` computed in ``dtype`` (fp64 by default) on q's
     device; rows of padding documents: out 0, gradients 0."""
-    q64, k64, v64 = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
-    out = attention(q64, k64, v64, cu, padding)
+    qr, kr, vr = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+    out = attention(qr, kr, vr, cu, padding)
     loss = (out * dout.to(dtype)).sum()
     if loss.requires_grad:  # not when every row is padding
         loss.backward()
-    return out.detach(), *(torch.zeros_like(x) if x.grad is None else x.grad for x in (q64, k64, v64))
+    return out.detach(), *(torch.zeros_like(x) if x.grad is None else x.grad for x in (qr, kr, vr))
 
 
 def task_attention(q, k, v, cu_q, cu_k):
