@@ -11,16 +11,26 @@ Plan once per step, run every layer with it::
 The op is two ``torch.library`` custom ops (forward and backward) around one
 :class:`distca.exchange.Flight` each. Both return fresh tensors (``out`` and ``lse``, so
 that selective activation checkpointing can save them; ``dq``, ``dk``, ``dv``) and
-*mutate* a 1-element argument: collectives never sit inside a functional op (Inductor
+*mutate* a small int64 argument: collectives never sit inside a functional op (Inductor
 may drop or reorder a functional op). Every shape in the graph is [T, ...], so a
 compiled model does not recompile when the document layout changes. The plan reaches
 the op as a 1-element int64 tensor (``DispatchPlan.handle``), resolved to the caller's
 live :class:`DispatchPlan` through a weak lookup: the caller owns the plan.
+
+Checks. A plan is agreed across the group once: when it is prepared, or at its first call,
+which also binds the call's shape (:class:`CallSpec`: heads, head dim, dtype, mode). Later
+calls are checked against the plan locally, with no collective and no host read of a
+device tensor. A call that fails that check on one rank does not leave its peers waiting:
+it runs its exchanges with zero placeholder rows of the bound shape, returns zeros, and
+the error is raised on every rank at the step boundary, :func:`check`. ``verify="every_call"``
+agrees on every call instead (one small collective per call; errors raised at the call).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import logging
 import weakref
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
@@ -38,7 +48,45 @@ from distca.layout import Layout
 from distca.mesh import agree, resolve_group
 from distca.planner import Plan, Policy, plan as make_plan
 
-__all__ = ["DispatchPlan", "prepare", "core_attention", "CoreAttention"]
+__all__ = ["CallSpec", "DispatchPlan", "prepare", "core_attention", "check", "CoreAttention"]
+
+logger = logging.getLogger("distca")
+
+Verify = Literal["now", "first_use", "every_call"]
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """The shape every ``core_attention`` call on a plan has on every rank (besides T and the
+    K/V rows, which the plan's layout fixes): q [T, q_heads, head_dim], k and v
+    [kv_rows, kv_heads, head_dim], all of ``dtype``, run in ``mode``."""
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    mode: Mode = "resend"
+
+    @staticmethod
+    def of(q: object, k: object, mode: object) -> "CallSpec | None":
+        """The spec of a call, or None when q, k are not 3-D tensors."""
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 3 and k.dim() == 3):
+            return None
+        return CallSpec(q.shape[1], k.shape[1], q.shape[2], q.dtype, mode)  # type: ignore[arg-type]
+
+
+@dataclass
+class _PlanState:
+    """What a plan's calls have done since its last :func:`check` (mutable; the plan is frozen)."""
+
+    spec: CallSpec | None = None
+    """The bound call shape: given to ``prepare`` or taken from the first call."""
+    agreed: bool = False
+    """The plan and ``spec`` were agreed across the group: later calls are checked locally."""
+    errors: list[str] = field(default_factory=list)
+    """Calls this rank rejected locally (and ran with placeholder rows), raised at :func:`check`."""
+    forward_calls: int = 0
+    backward_calls: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,12 +111,21 @@ class DispatchPlan:
     """The plan's digest, compared across the group before any data moves."""
     error: str | None = None
     """``verify="first_use"``: this rank's preparation error, raised on every rank at first use."""
+    verify: Verify = "now"
+    """When the group agrees on this plan's calls (see :func:`prepare`)."""
     stats: ExchangeStats = field(default_factory=ExchangeStats)
     """Exchange wait time of every flight of this plan."""
     _device_meta: dict = field(default_factory=dict)
     _stash: dict = field(default_factory=dict)  # keep mode: stash id -> server tensors, forward to backward
     _checked_cu: list = field(default_factory=list)
     """The last cu_seqlens object checked against the layout (the same object is not re-copied)."""
+    _state: _PlanState = field(default_factory=_PlanState)
+
+    @property
+    def spec(self) -> CallSpec | None:
+        """The calls' shape once the group agreed on it (given to ``prepare`` or taken from the
+        plan's first call), else None."""
+        return self._state.spec if self._state.agreed else None
 
     def meta_on(self, device: torch.device) -> DispatchMeta:
         """The metadata on ``device`` (moved once, in one transfer)."""
@@ -97,7 +154,8 @@ def prepare(
     padding: Sequence[int] = (),
     policy: Policy = "distca",
     dispatch: DispatchMeta | None = None,
-    verify: Literal["now", "first_use"] = "now",
+    spec: CallSpec | None = None,
+    verify: Verify = "now",
     **plan_kwargs,
 ) -> DispatchPlan:
     """Plan (if needed) and compile this rank's dispatch metadata. Call on every rank.
@@ -119,12 +177,19 @@ def prepare(
             raises like any bad input (on every rank, see ``verify``).
         dispatch: with a Plan, this rank's ``distca.dispatch.build_dispatch(plan, rank)``
             made ahead of time (e.g. in a planning thread); default: built here.
-        verify: ``"now"``: one agreement (a small all-to-all) here checks that every rank has the same
-            plan and raises ``ValueError`` on every rank if not (or if any rank's input was
-            bad). ``"first_use"``: no collective here; the same check joins the agreement
-            that the first ``core_attention`` call of this plan runs anyway, before any data
-            moves (a training loop then pays no collective at step start, where ranks
-            arrive skewed), and an error of this rank is raised there, on every rank.
+        spec: the shape of every call on this plan (:class:`CallSpec`). Given, it is agreed
+            with the plan and no call on the plan runs a collective of its own; without it, the
+            plan's first call agrees on it (one small collective, once per plan).
+        verify: when the group agrees (one small all-to-all of a fixed record; on the CPU when
+            the group has a gloo backend, else on its device, read back once):
+            ``"now"`` (default): here, on the plan (and ``spec``); raises ``ValueError`` on every
+            rank if the ranks' plans differ or any rank's input was bad. ``"first_use"``: no
+            collective here; the same check joins the plan's first ``core_attention`` call,
+            before any data moves, and an error of this rank is raised there, on every rank.
+            Later calls are checked locally; one that fails on a rank is raised on every rank
+            by :func:`check`. ``"every_call"``: here, and again at every call (each a collective
+            and a host read of its result: a debugging mode), which then raises at the call
+            on every rank, also for what local checks cannot see (ranks passing different plans).
     """
     pg = resolve_group(group)
     R, rank = dist.get_world_size(pg), dist.get_rank(pg)
@@ -133,8 +198,10 @@ def prepare(
         p, err = None, "context is for cu_seqlens; a Plan or Layout carries its own (Layout.context)"
     elif _given(padding) and isinstance(plan_or_cu_seqlens, (Plan, Layout)):
         p, err = None, "padding is for cu_seqlens; a Plan or Layout carries its own (Layout.padding)"
-    elif verify not in ("now", "first_use"):
-        p, err = None, f'verify must be "now" or "first_use", got {verify!r}'
+    elif verify not in ("now", "first_use", "every_call"):
+        p, err = None, f'verify must be "now", "first_use" or "every_call", got {verify!r}'
+    elif spec is not None and not isinstance(spec, CallSpec):
+        p, err = None, f"spec must be a distca.CallSpec, got {type(spec).__name__}"
     elif dispatch is not None and not isinstance(plan_or_cu_seqlens, Plan):
         p, err = None, "dispatch is for a Plan (its prebuilt metadata)"
     elif dispatch is not None and not isinstance(dispatch, DispatchMeta):
@@ -166,12 +233,18 @@ def prepare(
         except (ValueError, TypeError) as e:
             err, p = str(e), None
     digest = int(p.digest()[:15], 16) if p is not None else 0
+    state = _PlanState(spec=spec if isinstance(spec, CallSpec) else None)
     # A bad verify joins an agreement too: its fields pair with a peer's prepare or first layer.
     if verify != "first_use":
-        agree(pg, torch.device("cpu"), err, _fields(digest))
+        rows = (p.layout.tokens_per_rank, p.layout.kv_rows) if p is not None and spec is not None else (-1, -1)
+        agree(pg, err, _fields(digest, rows, state.spec))
+        state.agreed = state.spec is not None
     key = next(_IDS)
     meta = None if err is not None else dispatch if dispatch is not None else build_dispatch(p, rank)
-    dp = DispatchPlan(p if err is None else None, meta, pg, torch.tensor([key]), digest=digest, error=err)
+    dp = DispatchPlan(
+        p if err is None else None, meta, pg, torch.tensor([key]), digest=digest, error=err,
+        verify=verify if verify in ("now", "first_use", "every_call") else "now", _state=state,
+    )  # fmt: skip
     _LIVE[key] = dp
     return dp
 
@@ -210,18 +283,28 @@ def _check_placements(q, k, v, group) -> None:
             raise ValueError(f"DTensor q, k, v placement {p!r} on mesh dim {dim!r} is not supported; it must be {rule}")
 
 
-def _fields(digest: int, q: object = None, k: object = None, mode: object = None) -> dict[str, int | str]:
-    """What every rank of a CA group must agree on, by value; the same fields in every agreement
-    (``prepare`` sends -1 and "" for the call's), so that whatever agreement a peer is in, a rank
-    pairs with it and the message names the values that differ."""
-    qs = tuple(q.shape) if isinstance(q, torch.Tensor) and q.dim() == 3 else (-1, -1, -1)
-    ks = tuple(k.shape) if isinstance(k, torch.Tensor) and k.dim() == 3 else (-1, -1, -1)
+def _fields(digest: int, rows: tuple[int, int] = (-1, -1), spec: CallSpec | None = None) -> dict[str, int | str]:
+    """What every rank of a CA group must agree on, by value: the plan digest, the call's
+    rows (T of q, K/V rows) and its :class:`CallSpec`. The same fields in every agreement (-1 and
+    "" where unknown, as in ``prepare``), so that whatever agreement a peer is in, a rank pairs
+    with it and the message names the values that differ."""
     return {
         "plan": f"{digest:015x}" if digest else "none",
-        "T (q rows)": qs[0], "Hq": qs[1], "Hkv": ks[1], "D": qs[2], "k rows": ks[0],
-        "dtype": str(q.dtype).removeprefix("torch.") if isinstance(q, torch.Tensor) else "",
-        "mode": mode if isinstance(mode, str) else "",
+        "T (q rows)": rows[0],
+        "Hq": spec.q_heads if spec else -1, "Hkv": spec.kv_heads if spec else -1, "D": spec.head_dim if spec else -1,
+        "k rows": rows[1],
+        "dtype": str(spec.dtype).removeprefix("torch.") if spec else "",
+        "mode": spec.mode if spec and isinstance(spec.mode, str) else "",
     }  # fmt: skip
+
+
+def _call_fields(digest: int, q: object, k: object, mode: object) -> dict[str, int | str]:
+    """:func:`_fields` of a call's q, k and mode (-1 / "" for what is not a 3-D tensor)."""
+    spec = CallSpec.of(q, k, mode)
+    rows = (q.shape[0], k.shape[0]) if spec is not None else (-1, -1)  # type: ignore[union-attr]
+    if spec is None and isinstance(q, torch.Tensor):  # a dtype still says something
+        return {**_fields(digest, rows), "dtype": str(q.dtype).removeprefix("torch."), "mode": mode if isinstance(mode, str) else ""}
+    return _fields(digest, rows, spec)
 
 
 def _reject(group: object, plan: object, err: str, exc: type[Exception] = ValueError) -> None:
@@ -230,7 +313,7 @@ def _reject(group: object, plan: object, err: str, exc: type[Exception] = ValueE
     The group is the plan's, else ``group``'s (None: world)."""
     pg = plan.group if isinstance(plan, DispatchPlan) else resolve_group(group)
     try:
-        agree(pg, torch.device("cpu"), err, _fields(0))
+        agree(pg, err, _fields(0))
     except ValueError:
         raise exc(err) from None
 
@@ -276,6 +359,117 @@ def _lookup_or_reject(handle: torch.Tensor, group: object) -> DispatchPlan:
         _reject(group, None, str(e), RuntimeError)
 
 
+# ---- admitting a call ------------------------------------------------------------------------
+
+
+def _needs_agreement(dp: DispatchPlan) -> bool:
+    """Whether this call agrees across the group: every call under ``verify="every_call"``, else
+    only until the plan and its :class:`CallSpec` are agreed (at ``prepare`` or its first call).
+    The same on every rank: agreement is per plan, and a rank never skips a call (a rejected
+    call runs with placeholder rows, :func:`_admit`)."""
+    return dp.verify == "every_call" or not dp._state.agreed
+
+
+def _call_error(dp: DispatchPlan, q, k, v, cu_seqlens, mode: object) -> str | None:
+    """This rank's reason to reject a call on ``dp`` (local: no collective), or None.
+
+    Checked: the plan's own error, q/k/v against the layout (T, K/V rows), ``mode``, once the plan
+    is agreed the bound :class:`CallSpec`, and ``cu_seqlens`` against the layout when given (a host
+    copy, skipped for the object compared last: pass None, or a CPU tensor, to keep device
+    tensors off the host).
+    """
+    if dp.error is not None:
+        return dp.error
+    lay = dp.plan.layout
+    cu = None
+    if cu_seqlens is not None and not (dp._checked_cu and dp._checked_cu[0] is cu_seqlens):
+        cu = _as_numpy(cu_seqlens)
+    err = _local_error(q, k, v, cu, lay.tokens_per_rank, lay.ranks, lay.kv_rows)
+    if err is None and mode not in ("resend", "keep"):
+        err = f"mode must be 'resend' or 'keep', got {mode!r}"
+    if err is None and not _needs_agreement(dp):
+        want, got = dp._state.spec, CallSpec.of(q, k, mode)
+        if got != want:
+            diff = ", ".join(
+                f"{n}={getattr(got, a)!r} (bound: {getattr(want, a)!r})"
+                for n, a in (("Hq", "q_heads"), ("Hkv", "kv_heads"), ("D", "head_dim"), ("dtype", "dtype"), ("mode", "mode"))
+                if getattr(got, a) != getattr(want, a)
+            )
+            err = (
+                f"this call has {diff}; every call on a plan must match the shape agreed at its "
+                "first call (or given to prepare as spec)"
+            )
+    if err is None and cu is not None:
+        if cu.size != lay.num_docs + 1 or np.any(cu != lay.cu_array):
+            return "cu_seqlens differ from the layout the plan was made for"
+        dp._checked_cu[:] = [cu_seqlens]
+    return err
+
+
+def _verify(dp: DispatchPlan, q, k, v, mode: object, err: str | None) -> None:
+    """This call's agreement, on every rank, before any data moves: raises ``ValueError`` on
+    every rank of the group if any rank rejects its call or the calls differ. The record carries
+    the plan digest, T, Hq, Hkv, D, k rows, dtype and mode by value, and any rank's error."""
+    agree(dp.group, err, _call_fields(dp.digest, q, k, mode))
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """What a call's exchange runs on: the caller's tensors, or (``carried``) placeholders."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mode: str
+    carried: bool
+
+
+def _placeholders(dp: DispatchPlan, device: torch.device, requires_grad: bool = False) -> tuple[torch.Tensor, ...]:
+    """Zero q [T, Hq, D], k, v [kv_rows, Hkv, D] of the plan's bound shape: what a rejected call
+    sends, so that every message has the size its peers expect."""
+    s, lay = dp._state.spec, dp.plan.layout
+    q = torch.zeros((lay.tokens_per_rank, s.q_heads, s.head_dim), dtype=s.dtype, device=device)
+    kv = [torch.zeros((lay.kv_rows, s.kv_heads, s.head_dim), dtype=s.dtype, device=device) for _ in range(2)]
+    return tuple(x.requires_grad_(requires_grad) for x in (q, *kv))
+
+
+def _admit(dp: DispatchPlan, q, k, v, mode: object, err: str | None = None, requires_grad: bool = False) -> _Admitted:
+    """Admit one forward call on ``dp``: agree if the plan needs it (raising on every rank on any
+    error), else check locally. A call rejected locally is *carried*: its error is kept for
+    :func:`check`, logged, and the exchange runs on zero placeholders of the bound shape
+    (``requires_grad`` as given), so the peers' collectives all find their partner."""
+    st = dp._state
+    if err is None:
+        err = _call_error(dp, q, k, v, None, mode)
+    if _needs_agreement(dp):
+        _verify(dp, q, k, v, mode, err)
+        if st.spec is None:
+            st.spec = CallSpec.of(q, k, mode)
+        st.agreed = True
+        st.forward_calls += 1
+        return _Admitted(q, k, v, mode, False)  # type: ignore[arg-type]
+    st.forward_calls += 1
+    if err is None:
+        return _Admitted(q, k, v, mode, False)  # type: ignore[arg-type]
+    if not st.errors:
+        logger.error(
+            "core_attention rejected a call on this rank: %s. It runs with placeholder rows so that no peer waits; "
+            "distca.check() raises it on every rank at the step boundary.", err,
+        )  # fmt: skip
+    st.errors.append(err)
+    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    return _Admitted(*_placeholders(dp, device, requires_grad), st.spec.mode, True)
+
+
+def _carried_output(q: object, out: torch.Tensor) -> torch.Tensor:
+    """A rejected call's result: zeros shaped like the caller's q (if it is a tensor), linked to
+    the placeholder ``out`` so that the backward still runs the call's exchanges."""
+    link = out.sum() * 0
+    if isinstance(q, torch.Tensor):
+        return q.new_zeros(q.shape) + link.to(q.dtype) if q.is_floating_point() else q.new_zeros(q.shape)
+    return out + link
+
+
 # ---- the ops --------------------------------------------------------------------------------
 
 
@@ -290,9 +484,9 @@ def _owned_dense(x: torch.Tensor) -> torch.Tensor:
     return x if rowmajor and whole else x.clone(memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("distca::core_attention_fwd", mutates_args=("stash_id",))
+@torch.library.custom_op("distca::core_attention_fwd", mutates_args=("state",))
 def _core_attention_fwd(
-    stash_id: torch.Tensor,  # int64 [1] (written in keep mode)
+    state: torch.Tensor,  # int64 [2], host: (keep-mode stash id, 1 if the call was carried)
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [kv_rows, Hkv, D]
     v: torch.Tensor,  # [kv_rows, Hkv, D]
@@ -301,33 +495,37 @@ def _core_attention_fwd(
     ca_mode: str,
     kernel_backend: str,
     for_backward: bool,
+    caller_error: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns fresh ``out`` [T, Hq, D] (q's dtype) and ``lse`` [Hq, T] fp32, both row-major.
 
     The outputs are returned (not written into preallocated buffers) so that selective
     activation checkpointing can save them and skip the op, all-to-alls included, in the
-    recompute. ``stash_id`` stays a mutated argument because the op runs collectives: a
-    mutating op is never dropped or reordered by Inductor, a functional one may be.
-    ``for_backward`` (keep mode): stash the server tensors for a backward; False under
-    ``no_grad``, where nothing is kept. The call's agreement (:func:`_verify`) runs here, in
-    eager and compiled code alike, so an op that selective checkpointing saved skips it in the
-    recompute along with its all-to-alls.
+    recompute. ``state`` is a mutated argument because the op runs collectives: a mutating op
+    is never dropped or reordered by Inductor, a functional one may be. ``for_backward`` (keep
+    mode): stash the server tensors for a backward; False under ``no_grad``. The call is
+    admitted here (:func:`_admit`), in eager and compiled code alike; ``caller_error`` is what
+    the eager wrapper found (cu_seqlens, DTensor placements), "" for none.
     """
     dp = _lookup(handle)
-    _verify(dp, q, k, v, None, ca_mode)
-    f = dp.flight(q.device, softmax_scale, ca_mode, kernel_backend)
-    f.dispatch(q, k, v)
+    a = _admit(dp, q, k, v, ca_mode, caller_error or None)
+    f = dp.flight(a.q.device, softmax_scale, a.mode, kernel_backend)
+    f.dispatch(a.q, a.k, a.v)
     f.serve()
     out, lse = f.land()
-    if ca_mode == "keep" and for_backward:
+    if a.mode == "keep" and for_backward:
         sid = next(_STASH_IDS)
         dp._stash[sid] = f.stash
-        stash_id.fill_(sid)
+        state[0] = sid
+    if a.carried:
+        state[1] = 1
+        T, hq = q.shape[0], q.shape[1]
+        return q.new_zeros(q.shape), torch.full((hq, T), float("-inf"), dtype=torch.float32, device=q.device)
     return _owned_dense(out), _owned_dense(lse)
 
 
 @_core_attention_fwd.register_fake
-def _(stash_id, q, k, v, handle, softmax_scale, ca_mode, kernel_backend, for_backward):
+def _(state, q, k, v, handle, softmax_scale, ca_mode, kernel_backend, for_backward, caller_error):
     T, hq, d = q.shape
     return q.new_empty((T, hq, d)), q.new_empty((hq, T), dtype=torch.float32)
 
@@ -341,17 +539,19 @@ def _core_attention_bwd(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    stash_id: torch.Tensor,
+    state: torch.Tensor,
     handle: torch.Tensor,
     softmax_scale: float,
     ca_mode: str,
     kernel_backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns fresh ``dq`` [T, Hq, D], ``dk``, ``dv`` [kv_rows, Hkv, D], row-major."""
+    """Returns fresh ``dq`` [T, Hq, D], ``dk``, ``dv`` [kv_rows, Hkv, D], row-major (zeros for a
+    carried call, whose backward exchange runs on placeholders like its forward's)."""
     dp = _lookup(handle)
-    f = dp.flight(q.device, softmax_scale, ca_mode, kernel_backend)
-    if ca_mode == "keep":
-        sid = int(stash_id.reshape(-1)[0])
+    sid, carried = int(state[0]), bool(state[1])
+    mode = dp._state.spec.mode if carried else ca_mode
+    f = dp.flight(q.device, softmax_scale, mode, kernel_backend)
+    if mode == "keep":
         if sid not in dp._stash:
             raise RuntimeError(
                 f'core_attention mode="keep": no server tensors stashed for this backward (stash id {sid}); '
@@ -359,38 +559,46 @@ def _core_attention_bwd(
                 'them: use mode="resend"'
             )
         f.stash = dp._stash.pop(sid)
-    f.dispatch_bwd(dout, q, k, v, out, lse)
+    if carried:
+        pq, pk, pv = _placeholders(dp, q.device)
+        plse = torch.zeros((pq.shape[1], pq.shape[0]), dtype=torch.float32, device=q.device)
+        f.dispatch_bwd(torch.zeros_like(pq), pq, pk, pv, torch.zeros_like(pq), plse)
+    else:
+        f.dispatch_bwd(dout, q, k, v, out, lse)
     f.serve_bwd()
     dq, dk, dv = f.land_bwd()
+    dp._state.backward_calls += 1
     token.fill_(1)
+    if carried:
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     return _owned_dense(dq), _owned_dense(dk), _owned_dense(dv)
 
 
 @_core_attention_bwd.register_fake
-def _(token, dout, q, k, v, out, lse, stash_id, handle, softmax_scale, ca_mode, kernel_backend):
+def _(token, dout, q, k, v, out, lse, state, handle, softmax_scale, ca_mode, kernel_backend):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 class _CoreAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, handle, owner, softmax_scale, mode, backend, for_backward):
-        stash_id = torch.zeros(1, dtype=torch.int64)
+    def forward(ctx, q, k, v, handle, owner, softmax_scale, mode, backend, for_backward, caller_error):
+        state = torch.zeros(2, dtype=torch.int64)
         out, lse = torch.ops.distca.core_attention_fwd(
-            stash_id, q, k, v, handle, softmax_scale, mode, backend, for_backward
+            state, q, k, v, handle, softmax_scale, mode, backend, for_backward, caller_error
         )
-        ctx.save_for_backward(q, k, v, out, lse, stash_id, handle)
+        ctx.save_for_backward(q, k, v, out, lse, state, handle)
         ctx.owner = owner  # eager: a plan made inside core_attention lives until this backward
         ctx.cfg = (softmax_scale, mode, backend)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, stash_id, handle = ctx.saved_tensors
+        q, k, v, out, lse, state, handle = ctx.saved_tensors
         token = torch.zeros(1, dtype=torch.int64)
         dq, dk, dv = torch.ops.distca.core_attention_bwd(
-            token, dout.contiguous(), q, k, v, out, lse, stash_id, handle, *ctx.cfg
+            token, dout.contiguous(), q, k, v, out, lse, state, handle, *ctx.cfg
         )
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 # ---- public API -----------------------------------------------------------------------------
@@ -451,38 +659,60 @@ def _resolve_plan(plan, cu_seqlens, group) -> tuple[torch.Tensor, "DispatchPlan 
     _reject(group, None, f"plan must be a DispatchPlan, its handle, a Plan or None, got {type(plan).__name__}", TypeError)
 
 
-def _call_error(dp: DispatchPlan, q, k, v, cu_seqlens) -> str | None:
-    """This rank's reason to reject a call on ``dp`` (local: no collective), or None.
+def _op_ready(q, k, v) -> bool:
+    """Whether q, k, v can enter the op at all (3-D tensors); other rejected inputs enter it and
+    are carried there."""
+    return all(isinstance(x, torch.Tensor) and x.dim() == 3 for x in (q, k, v))
 
-    ``cu_seqlens`` is compared with the plan's layout when given (a host copy, skipped for the
-    object compared last).
+
+def check(plans: DispatchPlan | Sequence[DispatchPlan]) -> None:
+    """The step boundary: raise ``ValueError`` on every rank of the plans' CA group if any rank
+    rejected a call on ``plans`` since their last check, or the ranks made different calls.
+
+    A call that fails its local checks on one rank (say q with other T or heads than the plan's
+    bound :class:`CallSpec`) does not raise there and then: that would leave its peers waiting
+    in the exchange. It runs on zero placeholder rows, returns zeros, logs the error, and is
+    raised here, on every rank. Call it once per step, after the backward and before the
+    optimizer step (the torchtitan trainer does), so no parameter is updated from a step with
+    a rejected call. One agreement (a small collective); the plans' error records and call
+    counts start again from zero. All ``plans`` must share one group.
+
+    Example::
+
+        dp = distca.prepare(cu_seqlens, group)
+        for layer in layers: x = layer(x, plan=dp)     # no collective of its own per call
+        loss.backward()
+        distca.check(dp)                               # raises on every rank if any call was bad
+        optimizer.step()
     """
-    if dp.error is not None:
-        return dp.error
-    lay = dp.plan.layout
-    cu = None
-    if cu_seqlens is not None and not (dp._checked_cu and dp._checked_cu[0] is cu_seqlens):
-        cu = _as_numpy(cu_seqlens)
-    err = _local_error(q, k, v, cu, lay.tokens_per_rank, lay.ranks, lay.kv_rows)
-    if err is None and cu is not None:
-        if cu.size != lay.num_docs + 1 or np.any(cu != lay.cu_array):
-            return "cu_seqlens differ from the layout the plan was made for"
-        dp._checked_cu[:] = [cu_seqlens]
-    return err
-
-
-def _verify(dp: DispatchPlan, q, k, v, cu_seqlens, mode: str, err: str | None = None) -> None:
-    """This call's agreement, on every rank, before any data moves: raises ``ValueError`` on
-    every rank of the group if any rank rejects its call or the calls differ.
-
-    Every call agrees (not only a plan's first): whether a call is a plan's first is local
-    state, and a collective that only some ranks run hangs the others. The record carries the
-    plan digest, T, Hq, Hkv, D, k rows, dtype and mode by value, and any rank's error.
-    """
-    if err is None:
-        err = _call_error(dp, q, k, v, cu_seqlens)
-    tensors = all(isinstance(x, torch.Tensor) for x in (q, k, v))
-    agree(dp.group, q.device if tensors else torch.device("cpu"), err, _fields(dp.digest, q, k, mode))
+    plans = [plans] if isinstance(plans, DispatchPlan) else list(plans)
+    if not plans:
+        return
+    if not all(isinstance(p, DispatchPlan) for p in plans):
+        raise TypeError(f"plans must be DispatchPlans, got {sorted({type(p).__name__ for p in plans})}")
+    pg = plans[0].group
+    if any(p.group is not pg for p in plans):
+        raise ValueError("distca.check: all plans must belong to one CA group")
+    errors = [e for p in plans for e in p._state.errors]
+    calls = [(p.digest, p._state.forward_calls, p._state.backward_calls) for p in plans]
+    for p in plans:  # nothing half-changed: whatever happens below, the next check starts afresh
+        p._state.errors.clear()
+        p._state.forward_calls = p._state.backward_calls = 0
+    err = None
+    if errors:
+        more = f" (and {len(errors) - 1} more rejected call{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+        err = f"core_attention rejected a call on this rank: {errors[0]}{more}"
+    fields = {
+        "plans": len(plans),
+        "forward calls": sum(c[1] for c in calls),
+        "backward calls": sum(c[2] for c in calls),
+        "calls per plan": hashlib.blake2b(repr(calls).encode(), digest_size=8).hexdigest()[:15],
+    }
+    agree(
+        pg, err, fields,
+        "Its calls ran with zero placeholder rows so that no rank waited: the step's results are not "
+        "valid, discard it (do not apply its gradients).",
+    )  # fmt: skip
 
 
 def core_attention(
@@ -503,7 +733,7 @@ def core_attention(
         q: [T, Hq, D], this rank's rows [r*T, (r+1)*T) of the group's stream.
         k, v: [T, Hkv, D], Hq a multiple of Hkv.
         cu_seqlens: global document boundaries (0 ... R*T), the same on every rank;
-            may be None when ``plan`` is given.
+            may be None when ``plan`` is given (then nothing is read on the host).
         group: ProcessGroup, DeviceMesh (its "ca" dim, or its only dim), or None (world).
         plan: a :class:`DispatchPlan` from :func:`prepare` (or its ``handle``), a
             :class:`Plan`, or None to plan here with the default policy.
@@ -518,7 +748,13 @@ def core_attention(
         the plan's padding documents (:attr:`Layout.padding`) are 0, with gradient 0.
         DTensor inputs give a DTensor with the same placements: ``Shard(0)`` on the CA dim
         (the mesh's "ca" dim, or its only dim), ``Replicate()`` or ``Shard(1)`` (heads) on any
-        other; anything else raises ``ValueError`` on every rank before any collective.
+        other.
+
+    Checks: the plan's first call agrees with the group (unless ``prepare`` was given a
+    ``spec``); later calls run no collective of their own and are checked locally. Bad input
+    found then is raised on every rank by :func:`check`, at the step boundary (this rank runs
+    the call on placeholder rows and returns zeros meanwhile); with a plan prepared
+    ``verify="every_call"``, at the call itself (see ``docs/core_attention.md``).
 
     Example (2 processes, gloo)::
 
@@ -526,41 +762,59 @@ def core_attention(
         dp = distca.prepare(cu_seqlens)            # cu_seqlens: 0 ... 2*T, same on both ranks
         out = distca.core_attention(q, k, v, cu_seqlens, plan=dp)
         out.sum().backward()
+        distca.check(dp)                           # the step boundary
     """
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
     if isinstance(q, DTensor):
         mesh, placements = q.device_mesh, q.placements
         try:
             _check_placements(q, k, v, group)
+            err = None
         except (ValueError, TypeError) as e:
-            _reject(group if group is not None else mesh, plan, str(e), type(e))
-        out = core_attention(
-            q.to_local(), k.to_local(), v.to_local(), cu_seqlens,
-            group=group if group is not None else mesh, plan=plan,
-            softmax_scale=softmax_scale, mode=mode, backend=backend,
+            err = str(e)
+            if isinstance(plan, (DispatchPlan, torch.Tensor)):
+                dp = plan if isinstance(plan, DispatchPlan) else _lookup_or_reject(plan, group)
+                if _needs_agreement(dp):
+                    _reject(group if group is not None else mesh, plan, err, type(e))
+            else:
+                _reject(group if group is not None else mesh, plan, err, type(e))
+        local = [x.to_local() if isinstance(x, DTensor) else x for x in (q, k, v)]
+        out = _core_attention(
+            *local, cu_seqlens, group=group if group is not None else mesh, plan=plan,
+            softmax_scale=softmax_scale, mode=mode, backend=backend, error=err,
         )  # fmt: skip
         return DTensor.from_local(out, mesh, placements, run_check=False)
+    return _core_attention(
+        q, k, v, cu_seqlens, group=group, plan=plan, softmax_scale=softmax_scale, mode=mode, backend=backend
+    )
 
-    if mode not in ("resend", "keep"):
-        _reject(group, plan, f"mode must be 'resend' or 'keep', got {mode!r}")
-    if isinstance(q, torch.Tensor):  # otherwise validation below raises on every rank
+
+def _core_attention(q, k, v, cu_seqlens, *, group, plan, softmax_scale, mode, backend, error=None) -> torch.Tensor:
+    if isinstance(q, torch.Tensor):  # otherwise the call is rejected below
         if softmax_scale is None:
             softmax_scale = q.shape[-1] ** -0.5
         if backend is None:
             backend = kernels.select_backend(q.device)
-
     handle, owner = _resolve_plan(plan, cu_seqlens, group)
     # keep mode stashes server tensors only for a forward that a backward will consume.
     for_backward = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v))
-    if not torch.compiler.is_compiling():
-        # The op agrees (its body runs eagerly, compiled too); a call this rank rejects joins that
-        # agreement from here instead, with its error, and never reaches the op.
-        dp = owner if owner is not None else _lookup_or_reject(handle, group)
-        err = _call_error(dp, q, k, v, cu_seqlens)
-        if err is not None:
-            _verify(dp, q, k, v, cu_seqlens, mode, err)
-    return _CoreAttentionFn.apply(q, k, v, handle, owner, softmax_scale, mode, backend, for_backward)
+    if torch.compiler.is_compiling():  # the op's body (eager) admits the call
+        return _CoreAttentionFn.apply(q, k, v, handle, owner, softmax_scale, mode, backend, for_backward, "")
+    dp = owner if owner is not None else _lookup_or_reject(handle, group)
+    err = error or (_call_error(dp, q, k, v, cu_seqlens, mode) if cu_seqlens is not None else None)
+    if _op_ready(q, k, v):
+        return _CoreAttentionFn.apply(q, k, v, handle, owner, softmax_scale, mode, backend, for_backward, err or "")
+    # Not tensors the op can take: agree (raising everywhere), or carry the call on placeholders.
+    err = err or _call_error(dp, q, k, v, None, mode)
+    if _needs_agreement(dp):
+        _verify(dp, q, k, v, mode, err)
+    ph = _placeholders(dp, torch.device("cpu"), for_backward)  # a backward iff the caller's inputs ask for one
+    s = dp._state.spec
+    out = _CoreAttentionFn.apply(
+        *ph, handle, owner, s.head_dim**-0.5, s.mode, kernels.select_backend(ph[0].device), ph[0].requires_grad, err
+    )
+    return _carried_output(q, out)
 
 
 class CoreAttention(nn.Module):

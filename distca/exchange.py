@@ -23,10 +23,17 @@ per part each way. Rows of padding documents are served by nobody: they come out
 -inf) with gradients 0, as gap rows of the in-place call or, on a rank with no in-place
 task, from zero-filled outputs.
 
-Transport: ``all_to_all_single`` with ``async_op=True`` (gloo's own thread on CPU; NCCL's
-stream on CUDA, where ``wait`` is a stream wait). Every rank must run the phases of all
+Transport: ``all_to_all_single`` with ``async_op=True`` (gloo's own thread on CPU; on CUDA
+the process group's NCCL stream, where ``wait`` only makes the compute stream wait: the
+host never blocks, and nothing here reads a device tensor on the host). Run NCCL with
+``TORCH_NCCL_HIGH_PRIORITY=1`` (the torchtitan launcher sets it): the exchange's kernels
+then go ahead of queued compute kernels, so an all-to-all that ping-pong overlaps with the
+other nano-batch's kernels is not starved by them. Every rank must run the phases of all
 flights on a group in the same order (collectives are matched by order). When no rank
-sends a row to another (``DispatchMeta.local_only``), no collective runs at all.
+sends a row to another (``DispatchMeta.local_only``), no collective runs at all. Each
+phase is a profiler range (``distca::dispatch``, ``distca::serve``, ``distca::land`` and
+their ``_bwd``), and each wait one more (``distca::wait``), so a trace shows where the
+exchange hides and where it does not.
 
 Eager code: call it only outside functional custom ops (Inductor may drop a functional op
 whose result is empty).
@@ -42,6 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from distca import kernels
 from distca.dispatch import DispatchMeta
@@ -54,10 +62,39 @@ _Spec = tuple[tuple[int, ...], torch.dtype, int]
 
 @dataclass
 class ExchangeStats:
-    """Host seconds spent blocked in exchange waits (what the schedule failed to hide, on CPU;
-    on CUDA ``wait`` only orders streams, so this stays near 0)."""
+    """Exposed communication: seconds the computation waited for exchanges (what the schedule
+    failed to hide), the same quantity on CPU and CUDA.
 
-    wait_s: float = 0.0
+    CPU (gloo): host seconds blocked in ``wait``. CUDA: device seconds the compute stream
+    stalled at each wait, from a pair of CUDA events recorded around it; the events are read
+    (one host synchronisation) only when :attr:`wait_s` is read, e.g. once per step.
+    """
+
+    _host_s: float = 0.0
+    _events: list = field(default_factory=list)
+    """CUDA (before, after) event pairs of waits not yet read."""
+
+    def time_wait(self, work: "dist.Work", device: torch.device) -> None:
+        """``work.wait()`` of a collective on ``device``, timed as described above."""
+        if device.type == "cuda":
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record()
+            work.wait()
+            after.record()
+            self._events.append((before, after))
+            return
+        t0 = time.perf_counter()
+        work.wait()
+        self._host_s += time.perf_counter() - t0
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds waited so far (reading it synchronises with the device when CUDA waits are pending)."""
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._host_s += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+            self._events.clear()
+        return self._host_s
 
 
 # ---- packing --------------------------------------------------------------------------------
@@ -148,9 +185,8 @@ class Flight:
 
     def _wait(self, msg: _Message) -> torch.Tensor:
         if msg.work is not None:
-            t0 = time.perf_counter()
-            msg.work.wait()
-            self.stats.wait_s += time.perf_counter() - t0
+            with record_function("distca::wait"):
+                self.stats.time_wait(msg.work, msg.buf.device)
         return msg.buf
 
     def _parts(self, msg: _Message, rows: torch.Tensor | None) -> list[torch.Tensor]:
@@ -176,6 +212,7 @@ class Flight:
 
     # ---- forward -----------------------------------------------------------------------------
 
+    @record_function("distca::dispatch")
     def dispatch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Home: start sending the exchanged tasks' Q rows [T, Hq, D] and K/V rows [kv_rows, Hkv, D]."""
         m = self.meta
@@ -187,6 +224,7 @@ class Flight:
             self._send((k, v), m.kv_send_idx, m.kv_send_splits, m.kv_recv_splits),
         )
 
+    @record_function("distca::serve")
     def serve(self) -> None:
         """Server: the in-place tasks, then the received ones; start returning O and LSE."""
         m = self.meta
@@ -213,6 +251,7 @@ class Flight:
             self.stash = (qs, ks, vs, o, l)
         self._msgs = (self._send((o, l.t()), m.rows("q_task_to_recv"), m.q_recv_splits, m.q_send_splits),)
 
+    @record_function("distca::land")
     def land(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Home: wait for the returned rows; ``out`` [T, Hq, D] (q's dtype), ``lse`` [Hq, T] fp32."""
         m = self.meta
@@ -229,6 +268,7 @@ class Flight:
 
     # ---- backward (mirrored) -----------------------------------------------------------------
 
+    @record_function("distca::dispatch_bwd")
     def dispatch_bwd(self, dout, q, k, v, out, lse) -> None:
         """Home: start sending what the servers' backward needs (see the module docstring)."""
         m = self.meta
@@ -243,6 +283,7 @@ class Flight:
                 self._send((k, v), m.kv_send_idx, m.kv_send_splits, m.kv_recv_splits),
             )
 
+    @record_function("distca::serve_bwd")
     def serve_bwd(self) -> None:
         """Server: the in-place backward, then the received tasks'; start returning dQ and dK/dV."""
         m = self.meta
@@ -290,6 +331,7 @@ class Flight:
         acc = g.new_zeros((m.kv_recv_rows, *g.shape[1:]), dtype=torch.promote_types(g.dtype, torch.float32))
         return acc.index_add_(0, m.kv_task_idx, g.to(acc.dtype)).to(g.dtype)
 
+    @record_function("distca::land_bwd")
     def land_bwd(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Home: wait; ``dq`` [T, Hq, D], ``dk``, ``dv`` [kv_rows, Hkv, D], in the inputs' dtype."""
         m = self.meta

@@ -1,10 +1,13 @@
 """The CA group: resolving it from a ProcessGroup or DeviceMesh, and agreeing across it.
 
-Every check that can fail on one rank only is turned into a collective
-agreement before any data moves, so a bad input raises on every rank of the
-group instead of leaving the others waiting in an all-to-all. Every agreement
-has the same record layout, so whatever agreement a peer is in, a rank that
-rejects its input pairs with it (and its error reaches the peer).
+An *agreement* is one small collective in which every rank of the group sends a
+fixed-size record (an error flag, named values, an error message) and raises
+``ValueError`` if any rank had an error or any value differs. The runtime agrees
+once per plan (when it is prepared, or at its first call) and once per step
+(:func:`distca.check`), never per layer call (``docs/core_attention.md``, "When
+bad input is raised"). Every record has the same size whatever its fields, so
+whatever agreement a peer is in, a rank that rejects its input pairs with it
+(and its error reaches the peer).
 """
 
 from __future__ import annotations
@@ -41,31 +44,39 @@ def resolve_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessG
     raise TypeError(f"group must be None, a ProcessGroup or a DeviceMesh, got {type(group).__name__}")
 
 
-def _collective_device(pg: dist.ProcessGroup, preferred: torch.device) -> torch.device:
-    """A device the group's backends can run the agreement on: ``preferred`` if supported, else CPU
-    (gloo), else the current CUDA device (an NCCL-only group cannot take CPU tensors).
+def _collective_device(pg: dist.ProcessGroup) -> torch.device:
+    """Where the group's agreement runs: the CPU when any of its backends takes CPU tensors
+    (gloo, e.g. ``init_process_group("cuda:nccl,cpu:gloo")``: a host-only collective, no
+    device synchronisation), else the group's bound device (``device_id`` at init), else the
+    current CUDA device (an NCCL-only group cannot take CPU tensors; reading the result back
+    synchronises the host with that device once per agreement).
 
     Reads the group's registered device types, not ``get_backend(pg)``: that reads
     'undefined' for groups a DeviceMesh created.
     """
     types = {torch.device(d).type for d in getattr(pg, "_device_types", ())}
-    if not types or preferred.type in types:
-        return preferred
-    if "cpu" in types:
+    if not types or "cpu" in types:
         return torch.device("cpu")
+    bound = getattr(pg, "bound_device_id", None)
+    if bound is not None:
+        return torch.device(bound)
     if "cuda" in types and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    return preferred
+    return torch.device("cpu")
 
 
 _SLOT = 24
 """Bytes of one field in an agreement record: an int64, or a short string (utf-8, truncated)."""
+_FIELDS = 10
+"""Field slots in every record (unused ones empty), so any two agreements pair up byte for byte."""
 _TEXT = 320
 """Bytes of a rank's error message in its record (utf-8, truncated)."""
 
 
 def _record(local_error: str | None, fields: dict[str, int | str]) -> bytes:
-    out = bytearray(8 + _SLOT * len(fields) + _TEXT)
+    if len(fields) > _FIELDS:
+        raise ValueError(f"an agreement carries at most {_FIELDS} fields, got {len(fields)}")
+    out = bytearray(8 + _SLOT * _FIELDS + _TEXT)
     out[0] = 1 if local_error else 0
     for i, v in enumerate(fields.values()):
         slot = 8 + _SLOT * i
@@ -77,7 +88,7 @@ def _record(local_error: str | None, fields: dict[str, int | str]) -> bytes:
             out[slot] = 1
             out[slot + 8 : slot + 16] = int(v).to_bytes(8, "little", signed=True)
     text = (local_error or "").encode()[:_TEXT]
-    out[8 + _SLOT * len(fields) : 8 + _SLOT * len(fields) + len(text)] = text
+    out[8 + _SLOT * _FIELDS : 8 + _SLOT * _FIELDS + len(text)] = text
     return bytes(out)
 
 
@@ -89,7 +100,7 @@ def _decode(rec: bytes, names: list[str]) -> tuple[bool, dict[str, int | str], s
             vals[name] = rec[slot + 1 : slot + _SLOT].rstrip(b"\0").decode(errors="replace")
         else:
             vals[name] = int.from_bytes(rec[slot + 8 : slot + 16], "little", signed=True)
-    text = rec[8 + _SLOT * len(names) :].rstrip(b"\0").decode(errors="replace")
+    text = rec[8 + _SLOT * _FIELDS :].rstrip(b"\0").decode(errors="replace")
     return bool(rec[0]), vals, text
 
 
@@ -99,7 +110,10 @@ def _ranks(rs: list[int]) -> str:
 
 
 def agree(
-    pg: dist.ProcessGroup | None, device: torch.device, local_error: str | None, fields: dict[str, int | str]
+    pg: dist.ProcessGroup | None,
+    local_error: str | None,
+    fields: dict[str, int | str],
+    consequence: str = "Nothing was sent.",
 ) -> None:
     """Raise ``ValueError`` on every rank of ``pg`` if any rank has ``local_error`` or any of
     ``fields`` differs across the ranks.
@@ -108,6 +122,7 @@ def agree(
     (named ints or short strings; every rank passes the same names in the same order) and the
     rank's error message, so every rank can say which rank failed and why, and which values
     differ on which ranks. A rank with an error still takes part, so its peers raise too.
+    ``consequence`` ends the peers' message (what the failed call left behind).
     """
     if pg is None or dist.get_world_size(pg) == 1:  # no group (a process-local plan) or a group of 1
         if local_error:
@@ -115,7 +130,7 @@ def agree(
         return
     R, me = dist.get_world_size(pg), dist.get_rank(pg)
     rec = _record(local_error, fields)
-    dev = _collective_device(pg, device)
+    dev = _collective_device(pg)
     send = torch.frombuffer(bytearray(rec * R), dtype=torch.uint8).to(dev)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=pg)
@@ -129,7 +144,7 @@ def agree(
         r = failed[0]
         more = f" (and {_ranks(failed[1:])})" if len(failed) > 1 else ""
         raise ValueError(
-            f"another rank of the CA group (size {R}) rejected its input: rank {r}{more} says: {got[r][2]!r}. Nothing was sent."
+            f"another rank of the CA group (size {R}) rejected its input: rank {r}{more} says: {got[r][2]!r}. {consequence}"
         )
     diffs = []
     for name in names:
@@ -144,5 +159,5 @@ def agree(
             f"of the CA group (this is rank {me}): "
             + " | ".join(diffs)
             + ". Every rank must pass the same plan (cu_seqlens) and equal-shaped q, k, v with the same mode. "
-            "Nothing was sent."
+            + consequence
         )

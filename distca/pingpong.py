@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from distca import kernels
-from distca.api import DispatchPlan, _lookup_or_reject, _reject, _verify
+from distca.api import DispatchPlan, _admit, _carried_output, _lookup_or_reject, _reject
 from distca.cost import Mode
 from distca.exchange import Flight as _Exchange
 
@@ -60,6 +60,8 @@ class Flight:
     token: torch.Tensor | None = None
     """Autograd link from the last phase to the next (an empty tensor)."""
     inputs: tuple = ()
+    caller_q: object = None
+    """A carried (locally rejected) call: the caller's q, which shapes the zeros it returns."""
 
     @property
     def meta(self):
@@ -91,6 +93,7 @@ class _Serve(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         ctx.flight.exchange.serve_bwd()
+        ctx.flight.plan._state.backward_calls += 1
         return None, g.new_zeros(0)
 
 
@@ -127,20 +130,24 @@ def start(
 
     Args as :func:`distca.core_attention` (q [T, Hq, D], k, v [T, Hkv, D]; ``plan`` from
     :func:`distca.prepare` for this nano-batch). Returns the :class:`Flight` to pass to
-    :func:`serve` and then :func:`finish`. Raises ``ValueError`` on every rank on bad input.
+    :func:`serve` and then :func:`finish`. Checked as :func:`distca.core_attention` is: the
+    plan's first call agrees (raising ``ValueError`` on every rank on bad input), later ones
+    locally, with their errors raised on every rank by :func:`distca.check`; no host read
+    and no collective besides the exchange's own.
     """
     if isinstance(plan, torch.Tensor):
         plan = _lookup_or_reject(plan, None)
     if not isinstance(plan, DispatchPlan):
         msg = f"plan must be a DispatchPlan from distca.prepare (or its handle), got {type(plan).__name__}"
         _reject(None, None, msg, TypeError)
-    if mode not in ("resend", "keep"):
-        _reject(None, plan, f"mode must be 'resend' or 'keep', got {mode!r}")
-    _verify(plan, q, k, v, None, mode)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    flight = Flight(plan.flight(q.device, scale, mode, kernels.select_backend(q.device, backend)), plan)
-    flight.token = _Start.apply(flight, q, k, v)
-    flight.inputs = (q, k, v)  # until finish() hands them to autograd
+    grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v))
+    a = _admit(plan, q, k, v, mode, requires_grad=grad)
+    scale = a.q.shape[-1] ** -0.5 if softmax_scale is None or a.carried else softmax_scale
+    dev = a.q.device
+    flight = Flight(plan.flight(dev, scale, a.mode, kernels.select_backend(dev, backend)), plan)
+    flight.token = _Start.apply(flight, a.q, a.k, a.v)
+    flight.inputs = (a.q, a.k, a.v)  # until finish() hands them to autograd
+    flight.caller_q = q if a.carried else None
     return flight
 
 
@@ -166,4 +173,6 @@ def finish(flight: Flight) -> torch.Tensor:
     _advance(flight, "served", "finished")
     out = _Finish.apply(flight, flight.token, *flight.inputs)
     flight.token, flight.inputs = None, ()
+    if flight.caller_q is not None:  # a carried call: zeros, its exchanges ran on placeholders
+        out, flight.caller_q = _carried_output(flight.caller_q, out), None
     return out

@@ -3,6 +3,11 @@
     DISTCA_TEST_RANK1_ARGS="--core_attention.tolerance 0.3"   extra CLI args on local rank 1 only
     DISTCA_TEST_FAIL_STEP=2                                   local rank 1 raises in its forward at step 2
     DISTCA_TEST_KILL_STEP=7                                   local rank 1 is killed (SIGKILL) in its forward at step 7
+    DISTCA_TEST_BAD_CALL_STEP=3                               local rank 1 passes float64 q, k, v to one core
+                                                              attention call at step 3 (its peers' calls are fine)
+
+Every rank logs "optimizer step N" when its optimizer steps, so a test can tell which steps
+updated the parameters.
 """
 
 import os
@@ -11,6 +16,7 @@ import sys
 RANK1 = os.environ.get("LOCAL_RANK") == "1"
 FAIL_STEP = int(os.environ.get("DISTCA_TEST_FAIL_STEP", "0"))
 KILL_STEP = int(os.environ.get("DISTCA_TEST_KILL_STEP", "0"))
+BAD_CALL_STEP = int(os.environ.get("DISTCA_TEST_BAD_CALL_STEP", "0"))
 if RANK1:  # before torchtitan is imported: its ConfigManager binds sys.argv then
     sys.argv += os.environ.get("DISTCA_TEST_RANK1_ARGS", "").split()
 
@@ -24,7 +30,27 @@ from torchtitan_ext import train  # noqa: E402
 
 
 class FaultyTrainer(train.CoreAttentionTrainer):
+    def __init__(self, job_config) -> None:
+        super().__init__(job_config)
+        step = self.optimizers.step
+
+        def logged_step(*args, **kwargs):
+            print(f"optimizer step {self.step}", flush=True)
+            return step(*args, **kwargs)
+
+        self.optimizers.step = logged_step
+
     def train_step(self, data_iterator) -> None:
+        if RANK1 and self.step == BAD_CALL_STEP:
+            import distca
+
+            good = distca.core_attention
+
+            def bad_once(q, k, v, *args, **kwargs):
+                distca.core_attention = good  # one bad call, then the rest of the step as usual
+                return good(q.double(), k.double(), v.double(), *args, **kwargs)
+
+            distca.core_attention = bad_once
         if RANK1 and self.step == FAIL_STEP:
 
             def fail(module, args, kwargs):

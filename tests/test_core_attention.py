@@ -124,29 +124,75 @@ def _errors_worker(rank, world):
 
     p_cu = distca.plan(distca.Layout(tuple(cu), world, T))
     expect("dispatch_rank", first_use(p_cu, dispatch=build_dispatch(p_cu, (rank + 1) % world if rank == 0 else rank)))
-    # Later calls on a plan already used: every call agrees, so one rank's different T, heads,
-    # dtype, mode, cu_seqlens or plan raises on every rank (a first-use-only check hangs here).
+    # Later calls on an agreed plan run no collective of their own: a call one rank rejects runs
+    # there on placeholder rows (so the peer's exchange completes) and distca.check, the step
+    # boundary, raises it on every rank.
     distca.core_attention(q, k, v, cu, plan=dp)
     one = rank == world - 1
-    expect("later_T", lambda: distca.core_attention(q[:12] if one else q, k[:12] if one else k, v[:12] if one else v, cu, plan=dp))
-    expect("later_hkv", lambda: distca.core_attention(q, torch.randn(T, 4, 8) if one else k, torch.randn(T, 4, 8) if one else v, cu, plan=dp))
-    expect("later_dtype", lambda: distca.core_attention(*(x.half() if one else x for x in (q, k, v)), cu, plan=dp))
-    expect("later_mode", lambda: distca.core_attention(q, k, v, cu, plan=dp, mode="keep" if one else "resend"))
-    expect("later_cu", lambda: distca.core_attention(q, k, v, [0, 6, world * T] if one else cu, plan=dp))
-    dp_other = distca.prepare([0, 9, world * T])
-    expect("later_plan", lambda: distca.core_attention(q, k, v, None, plan=dp_other if one else dp))
-    # Errors raised before any plan is known: the bad rank still joins its peers' agreement.
-    expect("bad_mode", lambda: distca.core_attention(q, k, v, cu, plan=dp, mode="fast" if one else "resend"))
+
+    def at_check(call, plans=(dp,)):
+        def run():
+            out = call()
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.sum().backward()
+            msgs[f"{name}_returned"] = None if out is None else tuple(out.shape)
+            distca.check(list(plans))
+
+        return run
+
+    for name, call in {
+        "later_T": lambda: distca.core_attention(q[:12] if one else q, k[:12] if one else k, v[:12] if one else v, cu, plan=dp),
+        "later_hkv": lambda: distca.core_attention(q, torch.randn(T, 4, 8) if one else k, torch.randn(T, 4, 8) if one else v, cu, plan=dp),
+        "later_dtype": lambda: distca.core_attention(*(x.half() if one else x for x in (q, k, v)), cu, plan=dp),
+        "later_mode": lambda: distca.core_attention(q, k, v, cu, plan=dp, mode="keep" if one else "resend"),
+        "later_cu": lambda: distca.core_attention(q, k, v, [0, 6, world * T] if one else cu, plan=dp),
+        "bad_mode": lambda: distca.core_attention(q, k, v, cu, plan=dp, mode="fast" if one else "resend"),
+        "later_none": lambda: distca.core_attention(None if one else q, k, v, None, plan=dp),
+    }.items():  # fmt: skip
+        expect(name, at_check(call))
+    # With gradients: the rejected call's backward runs its exchanges on placeholders too.
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    bad = [x[:12].detach().requires_grad_() if one else x for x in (qg, kg, vg)]
+    name = "later_T_backward"
+    expect(name, at_check(lambda: distca.core_attention(*bad, None, plan=dp)))
+    msgs["later_T_backward_grad"] = float(bad[0].grad.abs().sum()) if bad[0].grad is not None else None
+    # Ranks calling different plans: a local check cannot see it; the check's call counts do
+    # (colocated plans of documents that stay on their ranks: nothing moves, nothing to mismatch).
+    dpa, dpb = distca.prepare([0, 5, T, world * T], policy="colocated"), distca.prepare([0, 9, T, world * T], policy="colocated")
+    for p in (dpa, dpb):
+        distca.core_attention(q, k, v, None, plan=p)
+    distca.check([dpa, dpb])
+    name = "later_plan"
+    expect(name, at_check(lambda: distca.core_attention(q, k, v, None, plan=dpb if one else dpa), (dpa, dpb)))
+    # Errors raised before any plan is known: the bad rank joins its peers' first-use agreement.
     expect("no_cu", lambda: distca.core_attention(q, k, v, None if one else cu, plan=None))
+    # Compiled: the op's body (eager) admits the call; the rejected call is carried the same way.
+    f = torch.compile(lambda q, k, v, h: distca.core_attention(q, k, v, None, plan=h), fullgraph=True)
+    f(q, k, v, dp.handle)
+    name = "compiled_heads"
+    expect(name, at_check(lambda: f(torch.randn(T, 2, 8) if one else q, k, v, dp.handle)))
+    # A plan prepared verify="every_call" agrees on every call: the same bad calls, and those a
+    # local check cannot see (another plan, something that is not a plan), raise at the call itself.
+    dpe = distca.prepare(cu, verify="every_call")
+    distca.core_attention(q, k, v, cu, plan=dpe)
+    dpe_other = distca.prepare([0, 9, world * T], verify="every_call")
+    for name, call in {
+        "every_T": lambda: distca.core_attention(q[:12] if one else q, k[:12] if one else k, v[:12] if one else v, cu, plan=dpe),
+        "every_hkv": lambda: distca.core_attention(q, torch.randn(T, 4, 8) if one else k, torch.randn(T, 4, 8) if one else v, cu, plan=dpe),
+        "every_dtype": lambda: distca.core_attention(*(x.half() if one else x for x in (q, k, v)), cu, plan=dpe),
+        "every_mode": lambda: distca.core_attention(q, k, v, cu, plan=dpe, mode="keep" if one else "resend"),
+        "every_cu": lambda: distca.core_attention(q, k, v, [0, 6, world * T] if one else cu, plan=dpe),
+        "every_plan": lambda: distca.core_attention(q, k, v, None, plan=dpe_other if one else dpe),
+        "every_bad_mode": lambda: distca.core_attention(q, k, v, cu, plan=dpe, mode="fast" if one else "resend"),
+        "every_compiled_heads": lambda: f(torch.randn(T, 2, 8) if one else q, k, v, dpe.handle),
+    }.items():  # fmt: skip
+        expect(name, call)
     try:
-        distca.core_attention(q, k, v, cu, plan="x" if one else dp)
+        distca.core_attention(q, k, v, cu, plan="x" if one else dpe)
         msgs["plan_type"] = None
     except (TypeError, ValueError) as e:
         msgs["plan_type"] = f"{type(e).__name__}: {e}"
-    # Compiled: the op's body (eager) agrees, on every call.
-    f = torch.compile(lambda q, k, v, h: distca.core_attention(q, k, v, None, plan=h), fullgraph=True)
-    f(q, k, v, dp.handle)
-    expect("compiled_heads", lambda: f(torch.randn(T, 2, 8) if one else q, k, v, dp.handle))
+    distca.check([dp, dpe])  # nothing left over: every rejected call was raised already
     out_c = distca.core_attention(q, torch.cat([k, k]), torch.cat([v, v]), None, plan=dpc)
     assert out_c.shape == q.shape and torch.isfinite(out_c).all()
     # Nothing was half-changed: a valid call still works and is deterministic.
@@ -162,28 +208,53 @@ def _errors_worker(rank, world):
 def test_bad_input_raises_on_every_rank_without_hanging():
     world = 2
     res = run_workers(_errors_worker, world, timeout=120)
-    later = ("later_T", "later_hkv", "later_dtype", "later_mode", "later_cu", "later_plan", "bad_mode", "no_cu",
-             "plan_type", "compiled_heads")  # fmt: skip
+    at_check = ("later_T", "later_hkv", "later_dtype", "later_mode", "later_cu", "bad_mode", "later_none",
+                "later_T_backward", "later_plan", "compiled_heads")  # fmt: skip
+    every = ("every_T", "every_hkv", "every_dtype", "every_mode", "every_cu", "every_plan", "every_bad_mode",
+             "every_compiled_heads", "no_cu", "plan_type")  # fmt: skip
     for name in ("cu_differs", "T_differs", "gqa", "dtype", "float64", "ranks", "cu_mismatch", "context_kv_rows", "context_bad",
-                 "first_use_differs", "verify_bad", "dispatch_rank", *later):  # fmt: skip
+                 "first_use_differs", "verify_bad", "dispatch_rank", *at_check, *every):  # fmt: skip
         for r in range(world):
             assert res[r][name] is not None, f"rank {r} did not raise for {name}"
     # Mismatches name the values per rank; a rank's own error reaches its peers verbatim.
     assert re.search(r"plan differs across the ranks .*plan: '[0-9a-f]+' on rank 0; '[0-9a-f]+' on rank 1", res[0]["cu_differs"])
     assert "tokens_per_rank=16" in res[0]["T_differs"] and "rejected its input: rank 0 says" in res[1]["T_differs"]
     assert "tokens_per_rank=16" in res[1]["T_differs"]
+    # Raised at the check: the call itself returned on both ranks (zeros on the rejecting one) ...
+    for name in at_check:
+        if name != "later_plan":
+            assert res[0][f"{name}_returned"] == (16, 4, 8), name
+    assert res[1]["later_T_returned"] == (12, 4, 8) and res[1]["later_none_returned"] == (16, 4, 8)
+    assert res[1]["later_T_backward_grad"] == 0.0  # the rejected call's gradient is 0, not garbage
+    # ... and the check names the rejected call on every rank, and what the step's results are.
     for r in range(world):
+        for name in at_check:
+            if name != "later_plan":
+                assert "core_attention rejected a call on this rank" in res[r][name], (name, res[r][name])
         assert "T=12 rows but the plan's layout has tokens_per_rank=16" in res[r]["later_T"]
-        assert "Hkv, k rows differ" not in res[r]["later_hkv"] and "Hkv differs" in res[r]["later_hkv"]
-        assert "Hkv: 2 on rank 0; 4 on rank 1" in res[r]["later_hkv"]
-        assert "dtype: 'float32' on rank 0; 'float16' on rank 1" in res[r]["later_dtype"]
-        assert "mode: 'resend' on rank 0; 'keep' on rank 1" in res[r]["later_mode"]
+        assert "T=12 rows but the plan's layout has tokens_per_rank=16" in res[r]["later_T_backward"]
+        assert "Hkv=4 (bound: 2)" in res[r]["later_hkv"]
+        assert "dtype=torch.float16 (bound: torch.float32)" in res[r]["later_dtype"]
+        assert "mode='keep' (bound: 'resend')" in res[r]["later_mode"]
         assert "cu_seqlens differ from the layout" in res[r]["later_cu"]
-        assert "plan differs across the ranks" in res[r]["later_plan"]
         assert "mode must be 'resend' or 'keep', got 'fast'" in res[r]["bad_mode"]
+        assert "q, k and v must be torch.Tensors" in res[r]["later_none"]
+        assert "Hq=2 (bound: 4)" in res[r]["compiled_heads"]
+        assert "calls per plan differs across the ranks" in res[r]["later_plan"]
         assert "cu_seqlens is required when plan is None" in res[r]["no_cu"]
         assert "plan must be a DispatchPlan, its handle, a Plan or None, got str" in res[r]["plan_type"]
-        assert "Hq: 4 on rank 0; 2 on rank 1" in res[r]["compiled_heads"]
+    assert "rank 1 says" in res[0]["later_T"] and "discard it (do not apply its gradients)" in res[0]["later_T"]
+    # verify="every_call": raised at the call, with the per-rank values.
+    for r in range(world):
+        assert "T=12 rows but the plan's layout has tokens_per_rank=16" in res[r]["every_T"]
+        assert "Hkv, k rows differ" not in res[r]["every_hkv"] and "Hkv differs" in res[r]["every_hkv"]
+        assert "Hkv: 2 on rank 0; 4 on rank 1" in res[r]["every_hkv"]
+        assert "dtype: 'float32' on rank 0; 'float16' on rank 1" in res[r]["every_dtype"]
+        assert "mode: 'resend' on rank 0; 'keep' on rank 1" in res[r]["every_mode"]
+        assert "cu_seqlens differ from the layout" in res[r]["every_cu"]
+        assert "plan differs across the ranks" in res[r]["every_plan"]
+        assert "mode must be 'resend' or 'keep', got 'fast'" in res[r]["every_bad_mode"]
+        assert "Hq: 4 on rank 0; 2 on rank 1" in res[r]["every_compiled_heads"]
     assert res[1]["plan_type"].startswith("TypeError") and res[0]["plan_type"].startswith("ValueError: another rank")
     assert "Hq=3 must be a multiple of Hkv=2" in res[0]["gqa"]
     assert "share a dtype" in res[1]["dtype"]
@@ -193,7 +264,7 @@ def test_bad_input_raises_on_every_rank_without_hanging():
     assert "k has 16 rows but the plan needs 32" in res[0]["context_kv_rows"] and "cat([k_prev, k])" in res[1]["context_kv_rows"]
     assert "context[0]: need 1 <= tokens <= end <= R*T" in res[0]["context_bad"] and "another rank" in res[1]["context_bad"]
     assert "plan differs across the ranks" in res[0]["first_use_differs"]
-    assert 'verify must be "now" or "first_use", got \'later\'' in res[1]["verify_bad"] and "another rank" in res[0]["verify_bad"]
+    assert 'verify must be "now", "first_use" or "every_call", got \'later\'' in res[1]["verify_bad"] and "another rank" in res[0]["verify_bad"]
     assert "dispatch was built for rank 1 of 2; this is rank 0 of 2" in res[0]["dispatch_rank"] and "another rank" in res[1]["dispatch_rank"]
 
 
@@ -308,15 +379,15 @@ def _opcheck_worker(rank, world):
         dp = distca.prepare([0, T + T // 2, 2 * T] if T > 1 else [0, 2], policy="per_doc_cp", min_shard=1)
         g = torch.Generator().manual_seed(T)
         q, k, v = (torch.randn(T, h, 8, generator=g) for h in (hq, hkv, hkv))
-        stash_id = torch.zeros(1, dtype=torch.int64)
-        args = (stash_id, q, k, v, dp.handle, 0.3, mode, "cpu", True)
+        state = torch.zeros(2, dtype=torch.int64)  # (keep-mode stash id, carried)
+        args = (state, q, k, v, dp.handle, 0.3, mode, "cpu", True, "")
         torch.library.opcheck(torch.ops.distca.core_attention_fwd.default, args)  # raises on a bad fake/schema
         out, lse = torch.ops.distca.core_attention_fwd(*args)
         # The real strides are the fake's (row-major), and the outputs share no storage.
         assert out.shape == (T, hq, 8) and out.stride() == (hq * 8, 8, 1), out.stride()
         assert lse.shape == (hq, T) and lse.dtype == torch.float32 and lse.stride() == (T, 1), lse.stride()
         assert out.untyped_storage().data_ptr() != lse.untyped_storage().data_ptr()
-        assert (int(stash_id) > 0) == (mode == "keep")
+        assert (int(state[0]) > 0) == (mode == "keep") and int(state[1]) == 0
         checked.append((T, hq, mode))
     return checked
 
@@ -351,7 +422,7 @@ def _lifetime_worker(rank, world):
     gc.collect()
     freed = key not in api._LIVE
     try:
-        torch.ops.distca.core_attention_fwd(torch.zeros(1, dtype=torch.int64), q, k, v, handle, 0.3, "resend", "cpu", False)
+        torch.ops.distca.core_attention_fwd(torch.zeros(2, dtype=torch.int64), q, k, v, handle, 0.3, "resend", "cpu", False, "")
         err = ""
     except RuntimeError as e:
         err = str(e)
@@ -452,6 +523,6 @@ def test_padding_in_one_process():
         ref = _reference(cu, q, k, v, dout, pad)
         for mode in ("resend", "keep"):
             ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
-            out = api._CoreAttentionFn.apply(ql, kl, vl, dp.handle, dp, d**-0.5, mode, kernels.select_backend("cpu"), True)
+            out = api._CoreAttentionFn.apply(ql, kl, vl, dp.handle, dp, d**-0.5, mode, kernels.select_backend("cpu"), True, "")
             (out * dout).sum().backward()
             _check_padded((out.detach(), ql.grad, kl.grad, vl.grad), ref, torch.from_numpy(lay.padding_mask(0)), 1e-5, f"{cu}, {mode}")

@@ -185,9 +185,18 @@ def _misuse_worker(rank, world):
             msgs.append(str(e))
     pingpong.serve(f)
     pingpong.finish(f)
-    try:  # a new call whose T differs from the plan on one rank: every rank must raise, none may hang
-        bad = T + 1 if rank == 1 else T
-        pingpong.start(torch.randn(bad, 4, 4), torch.randn(bad, 1, 4), torch.randn(bad, 1, 4), plan=dp)
+    distca.check(dp)
+    # A later call whose T differs from the plan on one rank: it runs there on placeholder rows
+    # (returning zeros of its own shape, its backward too) and the step's check raises on every rank.
+    bad = T + 1 if rank == 1 else T
+    ins = [torch.randn(bad, h, 4, requires_grad=True) for h in (2, 1, 1)]
+    f = pingpong.start(*ins, plan=dp)
+    pingpong.serve(f)
+    out = pingpong.finish(f)
+    msgs.append(tuple(out.shape))
+    out.sum().backward()
+    try:
+        distca.check(dp)
     except ValueError as e:
         msgs.append(str(e))
     return msgs
@@ -196,12 +205,13 @@ def _misuse_worker(rank, world):
 @pytest.mark.slow
 def test_pingpong_misuse_raises_clearly_on_every_rank():
     results = run_workers(_misuse_worker, 2, timeout=60)
-    for msgs in results:
-        assert len(msgs) == 3, msgs
+    for r, msgs in enumerate(results):
+        assert len(msgs) == 4, msgs
         assert "needs it 'served'" in msgs[0]
         assert "Flight" in msgs[1]
-    assert "tokens_per_rank=8" in results[1][2]  # the rank with the bad input names the rule
-    assert "another rank" in results[0][2]  # the other one raises too, instead of hanging
+        assert msgs[2] == (9 if r == 1 else 8, 2, 4)  # the call returned, with the caller's shape
+    assert "q has T=9 rows but the plan's layout has tokens_per_rank=8" in results[1][3]  # the bad rank names the rule
+    assert "another rank" in results[0][3] and "rank 1 says" in results[0][3]  # the other one raises too, instead of hanging
 
 
 # ---- torchtitan: ping-pong in the trainer (torchrun, 2 processes, CPU/gloo) --------------------

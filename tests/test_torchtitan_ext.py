@@ -455,6 +455,34 @@ def test_a_killed_rank_ends_every_rank_and_the_run_resumes_exactly(titan_dir, se
     assert [loss[s] for s in range(6, _STEPS + 1)] == pytest.approx([full[s] for s in range(6, _STEPS + 1)], rel=1e-6)
 
 
+@pytest.mark.slow
+def test_a_rejected_call_on_one_rank_raises_on_every_rank_before_the_optimizer_step(tmp_path):
+    """Rank 1 passes float64 q, k, v to one core-attention call of step 3 (its peer's are fine).
+    No layer call agrees across ranks, so the call runs there on placeholder rows and every other
+    call of the step goes on; the step boundary (``distca.check``, before gradient clipping and
+    the optimizer) raises the error on both ranks: steps 1 and 2 updated the parameters, step 3
+    did not, and nothing waited for the process-group timeout."""
+    import time
+
+    cmd = [
+        PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--tee", "3", str(ROOT / "tests/fault_train.py"),
+        "--job.config_file", "train_configs/debug_cpu.toml", "--training.seq_len", str(_WINDOW // 2),
+        "--job.dump_folder", str(tmp_path), *_COMMON, "--training.steps", "4", "--comm.train_timeout_seconds", "120",
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", DISTCA_TEST_BAD_CALL_STEP="3"))  # fmt: skip
+    log = r.stdout + r.stderr
+    assert r.returncode != 0 and "Training completed" not in log, log[-4000:]
+    assert time.monotonic() - t0 < 120, "ended by a timeout, not by the check"
+    for rank in (0, 1):
+        steps = [int(m) for m in re.findall(rf"\[default{rank}\]:optimizer step (\d+)", log)]
+        assert steps == [1, 2], (rank, steps, log[-4000:])
+    mine = "q, k, v dtype must be one of torch.float32, torch.bfloat16, torch.float16, got torch.float64"
+    assert re.search(rf"\[default1\]:.*ValueError: core_attention rejected a call on this rank: {re.escape(mine)}", log), log[-4000:]
+    assert re.search(r"\[default0\]:.*ValueError: another rank of the CA group \(size 2\) rejected its input: rank 1 says", log), log[-4000:]
+
+
 # ---- selective activation checkpointing ------------------------------------------------------
 
 

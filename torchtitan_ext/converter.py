@@ -228,8 +228,10 @@ class CAPlanner:
     """Plans the micro-batches of one CA group; found on the converted model with :func:`planner_of`.
 
     :meth:`plan` is pure (numpy; safe in a planning thread); :meth:`bind` runs on the
-    training thread, without a collective (the plans' cross-rank check joins the agreement of
-    their first ``core_attention`` call).
+    training thread. The first step's plans are agreed at their first ``core_attention`` call,
+    which also agrees the calls' shape (``distca.CallSpec``); the trainer then hands that shape
+    back (:attr:`spec`) and every later plan is agreed, shape included, when it is bound: one
+    small collective per plan at the start of its micro-batch, none inside the layers.
     """
 
     cfg: CoreAttention
@@ -249,6 +251,8 @@ class CAPlanner:
     shape: ModelShape | None = None
     """Attention shape for the planner's bytes model (set by the converter)."""
     cost_model: CostModel | None = None
+    spec: "distca.CallSpec | None" = None
+    """The layers' call shape, agreed by the first step's first calls (set by the trainer)."""
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -347,20 +351,23 @@ class CAPlanner:
         ``waited``: seconds the caller already waited for ``planned`` (exposed planning).
         """
         t0 = time.perf_counter()
-        # No collective here: the plan digests join the agreement the first layer runs anyway.
+        # With the layers' shape known, each plan is agreed here (shape included) and no layer call
+        # runs a collective of its own; before that (the first step), at its first layer call.
+        verify, spec = ("now", self.spec) if self.spec is not None else ("first_use", None)
         if planned.error is None:
             dps = tuple(
-                distca.prepare(p, self.mesh, dispatch=m, verify="first_use") for p, m in zip(planned.plans, planned.metas)
+                distca.prepare(p, self.mesh, dispatch=m, spec=spec, verify=verify)
+                for p, m in zip(planned.plans, planned.metas)
             )
-        else:  # prepare again to record the error; the first layer raises it on every rank
+        else:  # prepare again with the error: raised on every rank here, or at the first layer (first step)
             cus, ctxs = planned.inputs
             logger.error("core_attention: planning failed on this rank: %s", planned.error)
             if self.stages > 1:  # every tick's plan fails (on a layout of the wrong size: any error will do)
                 n = len(cus) + self.stages - 1
                 cus, ctxs = [cus[0]] * n, [None] * n
             dps = tuple(
-                distca.prepare(cu, self.mesh, context=self._context(c), policy=self.cfg.policy, verify="first_use",
-                               **self._plan_kwargs())
+                distca.prepare(cu, self.mesh, context=self._context(c), policy=self.cfg.policy, spec=spec,
+                               verify=verify, **self._plan_kwargs())
                 for cu, c in zip(cus, ctxs)
             )  # fmt: skip
         return StepPlan(dps, planned.stats, self.cfg.mode, self.cfg.pingpong, waited + time.perf_counter() - t0)

@@ -27,6 +27,7 @@ import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
 
+import distca  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import build_text_dataloader  # noqa: E402
@@ -123,8 +124,10 @@ class CoreAttentionTrainer(Trainer):
     Planning ahead: the CA loader gives each item the next step's layout too, so when item n is
     drawn, a planning thread starts on item n + 1's plan (pure numpy: the planner and this rank's
     dispatch metadata). By the time item n + 1 runs its plan is ready; the training thread only
-    binds it (no collective: the cross-rank check joins the first layer's agreement), and
-    ``ca/exposed_plan_ms`` is what it waited plus binding.
+    binds it (one small agreement per plan, shape included, from the second step on; in the
+    first step the plan's first layer call agrees instead), and ``ca/exposed_plan_ms`` is what
+    it waited plus binding. No layer call runs a collective besides its exchange; the step ends
+    with ``distca.check`` before the optimizer step (:meth:`_check_step`).
 
     With core attention off it only drops the loader's extra keys (``positions``,
     ``cu_seqlens``, ...), so the model runs exactly as upstream torchtitan's.
@@ -212,10 +215,17 @@ class CoreAttentionTrainer(Trainer):
         """torchtitan's, except under pipeline parallelism with core attention: every micro-batch
         gets its own plan (and positions, on every stage), idle ticks serve, and the micro-batch
         losses (and so the gradients) are ``sum / global valid tokens`` as without pipelining."""
-        if not self.parallel_dims.pp_enabled or self.ca is None:
+        if self.ca is None:
             return super().forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
             )
+        if not self.parallel_dims.pp_enabled:
+            loss = super().forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
+            if len(self._step_plans) == self.gradient_accumulation_steps:  # the step's last micro-batch
+                self._check_step()
+            return loss
         inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(input_dict, labels)
         step: StepPlan = extra_kwargs["attention_masks"]
         positions = extra_inputs["positions"]
@@ -230,9 +240,22 @@ class CoreAttentionTrainer(Trainer):
                 idle=(self._idle, step.part) if self._idle is not None else None,
                 init_kwargs={**kwarg_mbs[0], "attention_masks": StepPlan.shapes_only()},
             )  # fmt: skip
+        self._check_step()
         if self.pp_has_last_stage:
             return torch.sum(torch.stack(losses)).to(self.device)
         return torch.tensor([-1.0], device=self.device)
+
+    def _check_step(self) -> None:
+        """The step boundary, after the last backward and before gradient clipping and the
+        optimizer step: one agreement over the CA group (``distca.check``) that raises on every
+        rank if any rank rejected a core-attention call of this step, so no parameter is
+        updated from a step that ran on placeholder rows."""
+        plans = [p for sp in self._step_plans for p in sp.plans]
+        distca.check(plans)
+        if self.ca.spec is None:  # the first step agreed the layers' shape: later plans are agreed when bound
+            specs = {p.spec for p in plans if p.spec is not None}
+            if len(specs) == 1:
+                self.ca.spec = specs.pop()
 
     def train_step(self, data_iterator) -> None:
         t0 = time.perf_counter()
@@ -394,6 +417,10 @@ def _quiet() -> None:
 
 
 def run() -> None:
+    # The CA exchange runs on the process group's NCCL stream; a high-priority stream lets its
+    # all-to-all kernels go ahead of the compute kernels queued beside them, which is what
+    # ping-pong's overlap relies on (read by ProcessGroupNCCL when it makes its streams).
+    os.environ.setdefault("TORCH_NCCL_HIGH_PRIORITY", "1")
     _quiet()
     register_train_spec()
     main(CoreAttentionTrainer)

@@ -19,6 +19,7 @@ Wired in by the ``"llama3_ca"`` TrainSpec (:func:`torchtitan_ext.train.register_
 
 from __future__ import annotations
 
+import distca
 from torch import nn
 from torchtitan.components.validate import BaseValidator, Validator
 
@@ -76,13 +77,16 @@ class CAValidator(Validator):
         self.pp_has_first_stage = pp_has_first_stage
         self.pp_has_last_stage = pp_has_last_stage
         self._planner = None
+        self._plans: list = []
 
     def validate(self, model_parts: list[nn.Module], step: int) -> None:
-        self._planner = planner_of(model_parts)
+        self._planner, self._plans = planner_of(model_parts), []
         try:
             super().validate(model_parts, step)
+            # The validation's step boundary: a rejected call on any rank raises on every rank.
+            distca.check([p for sp in self._plans for p in sp.plans])
         finally:
-            self._planner = None
+            self._planner, self._plans = None, []
 
     def post_dataloading_process(self, input_dict, labels, model_parts):
         input_dict = dict(input_dict)
@@ -95,6 +99,7 @@ class CAValidator(Validator):
             raise ValueError("a validation batch without cu_seqlens: the CA validator needs the CA loader")
         cus, contexts = layout
         step = self._planner.bind(self._planner.plan([c.cpu() for c in cus], contexts))
+        self._plans.append(step)
         inputs, labels, extra_inputs, extra_kwargs = super().post_dataloading_process(input_dict, labels, model_parts)
         extra_kwargs["attention_masks"] = step
         return inputs, labels, extra_inputs, extra_kwargs

@@ -1,0 +1,241 @@
+"""The per-layer contract: after ``prepare``, a layer call runs no collective besides its own
+exchange and reads nothing on the host that a GPU would have to wait for.
+
+On CPU every tensor is a host tensor, so the tests define what a GPU run would have to wait
+for: a host read (``item``, ``tolist``, ``numpy``, ``bool``/``int``/``float``, ``cpu``) of a
+tensor a collective wrote, or, while any transfer is outstanding, of any tensor outside the
+attention kernel (the CPU kernel reads its own offsets; the CUDA kernels take them on the
+device). Collectives are counted by patching ``torch.distributed``; host reads by patching
+``torch.Tensor``'s reading methods. Each recorder has a positive control, so the tests fail
+if the recorders stop seeing what they look for.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_workers
+
+_COLLECTIVES = (
+    "all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_reduce", "broadcast",
+    "reduce_scatter_tensor", "barrier", "send", "recv", "isend", "irecv", "gather", "scatter",
+)  # fmt: skip
+_READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "cpu")
+
+
+class _Recorder:
+    """Counts collectives and host reads while installed (in one worker process)."""
+
+    def __init__(self, fake_async: bool = False) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.fake_async = dist, fake_async
+        self.calls: list[str] = []
+        self.events: list[tuple] = []  # ("issue", n) / ("wait", n) / ("read", name, shape)
+        self.written: set[int] = set()  # storage pointers of collective outputs
+        self.outstanding: set[int] = set()
+        self.in_kernel = 0
+        self.reads_of_written: list[str] = []
+        self.reads_while_outstanding: list[str] = []
+        self.other_reads: list[str] = []
+        self._saved: dict = {}
+
+    def install(self) -> "_Recorder":
+        import distca.kernels as kernels
+
+        for name in _COLLECTIVES:
+            if hasattr(self.dist, name):
+                self._saved[(self.dist, name)] = getattr(self.dist, name)
+                setattr(self.dist, name, self._collective(name, getattr(self.dist, name)))
+        for name in _READS:
+            self._saved[(torch.Tensor, name)] = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, self._read(name, getattr(torch.Tensor, name)))
+        for name in ("varlen_attn_forward", "varlen_attn_backward"):
+            self._saved[(kernels, name)] = getattr(kernels, name)
+            setattr(kernels, name, self._kernel(getattr(kernels, name)))
+        return self
+
+    def uninstall(self) -> None:
+        for (owner, name), fn in self._saved.items():
+            setattr(owner, name, fn)
+        self._saved.clear()
+
+    def _collective(self, name, fn):
+        rec = self
+
+        def run(*args, **kwargs):
+            rec.calls.append(name)
+            if name != "all_to_all_single":
+                return fn(*args, **kwargs)
+            out = args[0]
+            rec.written.add(out.untyped_storage().data_ptr())
+            n = len(rec.calls)
+            rec.events.append(("issue", n))
+            if not rec.fake_async:
+                return fn(*args, **kwargs)
+            # A recording stand-in: the transfer happens now, the wait is only recorded, so the
+            # test sees the order in which the schedule issues and waits, as on a GPU stream.
+            kwargs = dict(kwargs, async_op=False)
+            fn(*args, **kwargs)
+            rec.outstanding.add(n)
+            return _Work(rec, n)
+
+        return run
+
+    def _read(self, name, fn):
+        rec = self
+
+        def read(t, *args, **kwargs):
+            if not rec.in_kernel:
+                what = f"{name} of {t.dtype} {tuple(t.shape)}"
+                if t.untyped_storage().data_ptr() in rec.written:
+                    rec.reads_of_written.append(what)
+                elif rec.outstanding:
+                    rec.reads_while_outstanding.append(what)
+                elif not (t.dtype == torch.int64 and t.numel() <= 2):  # the plan handle and the op's state
+                    rec.other_reads.append(what)
+            return fn(t, *args, **kwargs)
+
+        return read
+
+    def _kernel(self, fn):
+        rec = self
+
+        def kernel(*args, **kwargs):
+            rec.in_kernel += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                rec.in_kernel -= 1
+
+        return kernel
+
+
+class _Work:
+    def __init__(self, rec: _Recorder, n: int) -> None:
+        self.rec, self.n = rec, n
+
+    def wait(self, *args) -> bool:
+        self.rec.events.append(("wait", self.n))
+        self.rec.outstanding.discard(self.n)
+        return True
+
+
+def _inputs(T, layers, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        tuple(torch.randn(T, h, 8, generator=g).requires_grad_() for h in (4, 2, 2)) for _ in range(layers)
+    ]
+
+
+def _step_worker(rank, world, cu, policy, spec_given, layers=4):
+    """One step of ``layers`` core-attention calls, forward and backward, after prepare."""
+    import distca
+
+    T = cu[-1] // world
+    spec = distca.CallSpec(4, 2, 8, torch.float32) if spec_given else None
+    dp = distca.prepare(cu, policy=policy, spec=spec)
+    moves = dp.plan.traffic.total_bytes > 0
+    ins = _inputs(T, layers, seed=rank)
+    rec = _Recorder().install()
+    try:
+        outs = [distca.core_attention(q, k, v, None, plan=dp) for q, k, v in ins]
+        sum(o.sum() for o in outs).backward()
+    finally:
+        rec.uninstall()
+    # A control read, outside the step: of a storage a collective wrote, through a fresh recorder.
+    ctl = _Recorder().install()
+    try:
+        out = torch.zeros(world, dtype=torch.float32)
+        ctl.dist.all_to_all_single(out, torch.ones(world))
+        out[0].item()
+        control = (ctl.calls, ctl.reads_of_written)
+    finally:
+        ctl.uninstall()
+    distca.check(dp)
+    return moves, rec.calls, rec.reads_of_written, rec.other_reads, control
+
+
+@pytest.mark.slow
+def test_layer_calls_run_no_collective_of_their_own_and_read_nothing_a_collective_wrote():
+    T, world, layers = 64, 2, 4
+    local = [0, 20, T, T + 50, 2 * T]  # documents end at the rank boundary: colocated moves nothing
+    skew = [0, 100, 110, 2 * T]  # one long document across both ranks: distca moves rows
+    cases = [(local, "colocated", True), (local, "colocated", False), (skew, "distca", True)]
+    runs = [run_workers(_step_worker, world, *case, timeout=120) for case in cases]
+    for (moves, calls, read_written, other, control), case in zip((r for run in runs for r in run), [c for c in cases for _ in range(world)]):
+        assert control == (["all_to_all_single"], ["item of torch.float32 ()"]), control  # the recorders see
+        assert other == [], (case, other)
+        # The only host read of a collective's output: the first call's agreement, without a spec.
+        assert read_written == ([] if case[2] else ["cpu of torch.uint8 (1136,)", "numpy of torch.uint8 (1136,)"]), case
+        if case[1] == "colocated":
+            assert not moves
+            # With a spec, prepare agreed on everything: no collective at all. Without, the
+            # plan's first call agrees once (one all-to-all of a small record), then none.
+            assert calls == ([] if case[2] else ["all_to_all_single"]), (case, calls)
+        else:
+            assert moves
+            # Per layer: Q and K/V out, O/LSE back (forward); Q/O/dO/LSE and K/V out, dQ and
+            # dK/dV back (backward, resend mode). Nothing else: no agreement per call.
+            assert calls == ["all_to_all_single"] * (3 + 4) * layers, (case, len(calls))
+
+
+def _pingpong_worker(rank, world, cu):
+    import distca
+    from distca import Layout, pingpong, split_nano_batches
+
+    T = cu[-1] // world
+    n0, n1 = split_nano_batches(Layout(tuple(cu), world, T), "stream")
+    spec = distca.CallSpec(4, 2, 8, torch.float32)
+    dp0, dp1 = distca.prepare(n0, spec=spec), distca.prepare(n1, spec=spec)
+    (q0, k0, v0), (q1, k1, v1) = _inputs(T // 2, 2, seed=rank)
+    rec = _Recorder(fake_async=True).install()
+    try:
+        f0 = pingpong.start(q0, k0, v0, plan=dp0)
+        if n1.context:  # nano-batch 1 continues a document of nano-batch 0: it reads its K/V rows too
+            k1, v1 = torch.cat([k0, k1]), torch.cat([v0, v1])
+        f1 = pingpong.start(q1, k1, v1, plan=dp1)
+        pingpong.serve(f0)
+        pingpong.serve(f1)
+        o0 = pingpong.finish(f0)
+        o1 = pingpong.finish(f1)
+        fwd = list(rec.events)
+        (o0.sum() + o1.sum()).backward()
+        events = list(rec.events)
+        reads = (list(rec.reads_of_written), list(rec.reads_while_outstanding), rec.outstanding.copy())
+        # Positive control: a read while a transfer is outstanding is seen.
+        rec.dist.all_to_all_single(torch.zeros(world), torch.ones(world), async_op=True)
+        torch.ones(2).sum().item()
+        control = rec.reads_while_outstanding[len(reads[1]) :]
+        rec.outstanding.clear()
+    finally:
+        rec.uninstall()
+    distca.check([dp0, dp1])
+    moves = [dp.plan.traffic.total_bytes > 0 for dp in (dp0, dp1)]
+    return moves, bool(n1.context), fwd, events[len(fwd) :], reads, control
+
+
+@pytest.mark.slow
+def test_pingpong_issues_both_dispatches_before_waiting_and_reads_nothing_while_a_transfer_is_out():
+    T, world = 64, 2
+    # A long document across both ranks and the nano-batch split: both nano-batches exchange
+    # rows, and nano-batch 1 continues the document (it reads nano-batch 0's K/V rows too).
+    cu = [0, 5, 100, 2 * T]
+    for moves, context, fwd, bwd, reads, control in run_workers(_pingpong_worker, world, cu, timeout=120):
+        assert all(moves) and context, (moves, context)
+        assert control == ["item of torch.float32 ()"], control  # the recorder sees such reads
+        assert reads == ([], [], set()), reads  # none of ours, and nothing left outstanding
+        # Forward: start(0) issues Q and K/V (1, 2) and start(1) its own (3, 4) before any wait;
+        # serve(0) waits for 1, 2 and returns O/LSE (5) before serve(1) waits for 3, 4.
+        assert fwd == [
+            ("issue", 1), ("issue", 2), ("issue", 3), ("issue", 4),
+            ("wait", 1), ("wait", 2), ("issue", 5), ("wait", 3), ("wait", 4), ("issue", 6),
+            ("wait", 5), ("wait", 6),
+        ], fwd  # fmt: skip
+        # Backward, mirrored by autograd: both nano-batches' dispatches (two messages each) are out
+        # before the first wait, and every message is waited for exactly once.
+        assert [kind for kind, _ in bwd[:5]] == ["issue"] * 4 + ["wait"], bwd
+        waited = [n for kind, n in bwd if kind == "wait"]
+        assert len(waited) == len(set(waited)) and set(waited) == {n for kind, n in bwd if kind == "issue"}, bwd
+        assert len(waited) == 2 * 4, bwd  # per nano-batch: Q bundle, K/V out; dQ, dK/dV back
