@@ -25,6 +25,11 @@ keys without queries), which give out 0, lse -inf and a gradient of 0; a rank wi
 rows but no in-place task gets those values without a kernel call
 (``DispatchMeta.padding_rows``, :class:`distca.exchange.Flight`).
 
+Test hook: ``build_dispatch(plan, rank, _exchange_local=True)`` runs no task in place. A
+server's own tasks travel the message path too, sent to itself, and ``local_only`` is False, so
+the all-to-alls run even on a group of 1 (where the default path has no collective at all) and
+with empty messages. Same results, at the cost of the copies and collectives the default saves.
+
 All index arrays live in ONE flat int64 tensor (``DispatchMeta.flat``); the fields
 are views of it, so moving the metadata to a device is one transfer
 (:meth:`DispatchMeta.to`).
@@ -107,7 +112,8 @@ class DispatchMeta:
     max_seqlen_k: int
     local_only: bool = False
     """True when no rank of the plan sends any row to another rank (a global property,
-    equal on every rank), so the exchanges can be skipped by all ranks together."""
+    equal on every rank), so the exchanges can be skipped by all ranks together; always False
+    under the test hook ``_exchange_local`` (:func:`build_dispatch`)."""
     identity: frozenset = frozenset()
     """Names of the index fields that are 0..n-1 over their whole source: gathering with them is a no-op."""
 
@@ -241,12 +247,20 @@ def _local_cu(plan: Plan, tasks: np.ndarray, kv_rows: int, rank: int) -> tuple[n
     return cu_q, cu_k
 
 
-def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
+def build_dispatch(plan: Plan, rank: int, *, _exchange_local: bool = False) -> DispatchMeta:
     """This rank's :class:`DispatchMeta` for ``plan`` (pure, deterministic).
 
     K/V rows are addressed in the layout's KV space (``distca.layout``): with a
     continued document, a home also sends rows of the previous nano-batch, which
     are rows [0, T) of its [2T, Hkv, D] K/V.
+
+    ``_exchange_local`` (a test hook, for ``distca.prepare(plan, dispatch=...)``): no task runs in
+    place; every task's rows go through the all-to-alls, a server's own rows sent to itself
+    (``q_send_splits[rank]``), and ``local_only`` is False, so the collectives run whatever the
+    plan's traffic, with splits of 0 where a message is empty (every split 0 for a plan without
+    tasks). The results equal the default's: the same kernel per task on the same rows (dK/dV
+    contributions of several tasks may be summed in another order). Pass the same value on every
+    rank: collectives pair by order, and the plan agreement does not compare dispatch metadata.
     """
     lay = plan.layout
     R, T = lay.ranks, lay.tokens_per_rank
@@ -260,7 +274,7 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
             "(Layout.padding): they need no core attention"
         )
     padding_rows = int(lay.padding_mask(rank).sum()) if lay.padding else 0
-    in_place = _in_place(plan)
+    in_place = np.zeros(plan.tasks.shape[0], dtype=bool) if _exchange_local else _in_place(plan)
     local_cu_q, local_cu_k = _local_cu(plan, plan.tasks[in_place & (plan.tasks[:, 3] == rank)], lay.kv_rows, rank)
     t = plan.tasks[~in_place]  # still sorted by (server, doc, q_start)
     doc, qs, qe, srv = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
@@ -350,7 +364,7 @@ def build_dispatch(plan: Plan, rank: int) -> DispatchMeta:
         kv_recv_splits=kv_recv_splits,
         max_seqlen_q=int(qlen.max()) if qlen.size else 0,
         max_seqlen_k=int(klen.max()) if klen.size else 0,
-        local_only=plan.traffic.src.size == 0,
+        local_only=plan.traffic.src.size == 0 and not _exchange_local,
         identity=identity,
     )
 

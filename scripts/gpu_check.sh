@@ -13,7 +13,8 @@
 #   deps       packages missing? install them from .gpu_check_wheels/ (local files only)
 #   env        env.json: GPU, driver, torch/CUDA/NCCL, flash-attn or not, the attention backend
 #   tests      the suite's CUDA tests (pytest -m cuda tests) -> pytest_junit.xml
-#   op         distca.core_attention on the GPU vs attention per document, NCCL group of 1 -> op_check.json
+#   op         distca.core_attention on the GPU vs attention per document, NCCL group of 1 (the default
+#              in-place path and, through a test hook, NCCL all-to-alls; no host sync per layer) -> op_check.json
 #   bench      fused-shard kernel efficiency vs shard size -> kernel_bench.json
 #   calibrate  the CA cost model for this GPU -> cost_<gpu>.json, calibration.json
 #   train      torchtitan smoke run, 1 GPU, CAD on (train_configs/debug_gpu.toml) -> train_smoke.json

@@ -10,14 +10,15 @@ from distca import POLICIES, Layout, plan, split_nano_batches
 from distca.dispatch import build_dispatch
 
 from _reference import attention as ref_attention, task_attention
-from _strategies import layouts
+from dist_utils import run_cases
+from _strategies import layouts, nano_layouts
 
 
-def simulate(p, q, k, v):
+def simulate(p, q, k, v, exchange_local=False):
     """Run the plan with in-process 'all-to-alls'; returns the output rows of every rank."""
     lay = p.layout
     R, T = lay.ranks, lay.tokens_per_rank
-    metas = [build_dispatch(p, r) for r in range(R)]
+    metas = [build_dispatch(p, r, _exchange_local=exchange_local) for r in range(R)]
     ql, kl, vl = q.split(T), k.split(lay.kv_rows), v.split(lay.kv_rows)  # K/V: [2T] per rank with context
     # Home r sends chunk j of its send buffer to server j.
     def exchange(bufs, splits_of):
@@ -212,3 +213,126 @@ def test_metadata_is_one_buffer(lay):
             t = getattr(moved, name)
             assert torch.equal(t, getattr(m, name)), name
             assert t.numel() == 0 or t.untyped_storage().data_ptr() == copy.untyped_storage().data_ptr(), name
+
+
+# ---- the test hook build_dispatch(..., _exchange_local=True): every task through the all-to-alls ----
+
+
+def _rows_served_by(p, rank: int, server: int) -> int:
+    """How many of ``rank``'s query rows the tasks of ``server`` read."""
+    lay, t = p.layout, p.tasks[p.tasks[:, 3] == server]
+    T, g0 = lay.tokens_per_rank, lay.q_base[t[:, 0]]
+    lo, hi = np.maximum(g0 + t[:, 1], rank * T), np.minimum(g0 + t[:, 2], (rank + 1) * T)
+    return int(np.maximum(hi - lo, 0).sum())
+
+
+@settings(max_examples=25)
+@given(lay=st.one_of(layouts(max_ranks=4, max_tokens=64, padding=True), nano_layouts(3, 48, padding=True)))
+def test_exchange_local_hook_sends_every_task_and_computes_the_same(lay):
+    """No task in place, a server's own rows sent to itself, collectives on (never ``local_only``);
+    the simulated exchange gives exactly the default metadata's output."""
+    p = plan(lay, "distca", min_shard=4)
+    R = lay.ranks
+    for r in range(R):
+        m = build_dispatch(p, r, _exchange_local=True)
+        assert m.local_tasks == 0 and m.local_cu_q.tolist() == [0] and m.local_cu_k.tolist() == [0]
+        assert not m.local_only and m.moves_rows
+        assert m.num_tasks == int((p.tasks[:, 3] == r).sum())
+        assert list(m.q_send_splits) == [_rows_served_by(p, r, s) for s in range(R)]
+        assert list(m.q_recv_splits) == [_rows_served_by(p, h, r) for h in range(R)]
+    torch.manual_seed(0)
+    q = torch.randn(lay.total_tokens, 2, 8, dtype=torch.float64)
+    k, v = (torch.randn(R * lay.kv_rows, 1, 8, dtype=torch.float64) for _ in range(2))
+    assert torch.equal(simulate(p, q, k, v, exchange_local=True), simulate(p, q, k, v))
+
+
+def _exchange_local_worker(rank, world, kind, cu, T, padding, mode):
+    """fp32 forward + backward with the default metadata and with ``_exchange_local`` on every rank;
+    ``kind="op"``: one core_attention call each; ``"pingpong"``: the layout's two nano-batches
+    (``split_nano_batches``, order "stream"), core_attention one after the other against ping-pong
+    with the hook. Returns (exactly equal per out, dq, dk, dv; the default's and the hook's
+    all-to-alls as (send splits, recv splits))."""
+    import torch.distributed as dist
+
+    import distca
+    from distca import pingpong
+
+    calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    real = dist.all_to_all_single
+
+    def recording(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        if input_split_sizes is not None:  # the exchange's messages (an agreement passes no splits)
+            calls.append((tuple(input_split_sizes), tuple(output_split_sizes)))
+        return real(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
+
+    dist.all_to_all_single = recording
+    full = Layout(tuple(cu), world, T, padding=padding)
+    lays = split_nano_batches(full, "stream") if kind == "pingpong" else (full,)
+    plans = [plan(lay, "distca", min_shard=4) for lay in lays]
+    g = torch.Generator().manual_seed(7 + rank)
+    data = []  # per nano-batch: q [T, 4, 8], k, v [kv_rows, 2, 8], dout [T, 4, 8]
+    for lay in lays:
+        t, kv = lay.tokens_per_rank, lay.kv_rows
+        data.append([torch.randn(n, h, 8, generator=g) for n, h in ((t, 4), (kv, 2), (kv, 2), (t, 4))])
+
+    def run(exchange_local: bool, interleave: bool) -> tuple[list[torch.Tensor], list]:
+        dps = [distca.prepare(p, dispatch=build_dispatch(p, rank, _exchange_local=exchange_local)) for p in plans]
+        leaves = [[x.clone().requires_grad_() for x in d[:3]] for d in data]
+        calls.clear()
+        if interleave:
+            fs = [pingpong.start(*x, plan=dp, mode=mode) for x, dp in zip(leaves, dps)]
+            for f in fs:
+                pingpong.serve(f)
+            outs = [pingpong.finish(f) for f in fs]
+        else:
+            outs = [distca.core_attention(*x, None, plan=dp, mode=mode) for x, dp in zip(leaves, dps)]
+        sum((o * d[3]).sum() for o, d in zip(outs, data)).backward()
+        got = [torch.cat([o.detach() for o in outs])] + [torch.cat([x[i].grad for x in leaves]) for i in range(3)]
+        return got, list(calls)
+
+    want, default_calls = run(False, False)
+    got, hook_calls = run(True, kind == "pingpong")
+    return [torch.equal(a, b) for a, b in zip(got, want)], default_calls, hook_calls
+
+
+# (kind, cu, T, padding, mode). Rows are uneven across messages (K/V prefixes and a context are
+# longer than the query shards); empty messages come from the all-padding plan on a group of 1 and
+# from the splits of ranks that send each other nothing on 2 ranks.
+_HOOK_CASES = {
+    1: [
+        ("op", (0, 20, 50, 64), 64, (), "resend"),
+        ("op", (0, 64), 64, (0,), "resend"),  # all padding (an idle pipeline stage): every message empty
+        ("pingpong", (0, 20, 50, 64), 64, (), "keep"),  # nano-batch 1 continues document 1 (context)
+    ],
+    2: [
+        ("op", (0, 10, 50, 64), 32, (), "resend"),  # document 1 crosses ranks: shards served by both
+        ("op", (0, 28, 32, 64), 32, (1, 2), "keep"),  # rank 1 all padding, serving part of rank 0's document
+        ("pingpong", (0, 5, 40, 64), 32, (), "resend"),
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_exchange_local_hook_runs_real_all_to_alls_with_the_same_results(world):
+    """On real gloo groups of 1 and 2: with the hook on every rank, every flight runs its
+    all_to_all_single calls (3 forward, 4 backward with resend, 3 with keep), the rank's own
+    rows in its own split, some messages empty; fp32 results equal the default path's exactly."""
+    cases = _HOOK_CASES[world]
+    runs = run_cases(_exchange_local_worker, world, cases, timeout=240)
+    empty = self_sent = 0
+    for (kind, cu, _, padding, mode), results in zip(cases, runs):
+        flights = 2 if kind == "pingpong" else 1
+        for rank, (equal, default_calls, hook_calls) in enumerate(results):
+            assert equal == [True] * 4, (kind, cu, rank, equal)
+            assert len(hook_calls) == flights * (7 if mode == "resend" else 6), hook_calls
+            assert all(len(send) == len(recv) == world for send, recv in hook_calls), hook_calls
+            empty += sum(0 in send or 0 in recv for send, recv in hook_calls)
+            self_sent += sum(send[rank] > 0 for send, _ in hook_calls)
+            if world == 1:  # a group of 1: the default path runs no collective at all
+                assert default_calls == [], default_calls
+            if padding == tuple(range(len(cu) - 1)):  # nothing to compute: every message is empty
+                assert all(send == recv == (0,) for send, recv in hook_calls), hook_calls
+            elif kind == "pingpong" and world == 1:  # K/V messages carry the context too: uneven rows
+                assert len({send for send, _ in hook_calls}) > 1, hook_calls
+    assert empty > 0 and self_sent > 0

@@ -31,6 +31,8 @@ import pytest
 import torch
 
 import distca
+from distca import pingpong
+from distca.dispatch import build_dispatch
 from _gpu_check import BENCH_ARGS, CALIBRATE_ARGS, D, DOCS, HKV, HQ, NANO_DOCS, REPEATS, REPO, T, script
 from _gpu_check import trainer_argv, trainer_config
 from _reference import low_precision_tol, max_err, op_reference
@@ -166,6 +168,12 @@ def doc_refs(qkv):
     return _references(DOCS, *qkv)
 
 
+@pytest.fixture(scope="module")
+def nano_refs(qkv):
+    """:func:`_references` of NANO_DOCS (every two-nano-batch check compares against it)."""
+    return _references(NANO_DOCS, *qkv)
+
+
 def _compare(got, ref, low) -> dict:
     """Per tensor: max abs error against the fp32 reference, the bf16 tolerance, ok."""
     errs = {}
@@ -211,20 +219,129 @@ def test_op_matches_reference(out, nccl_world, qkv, doc_refs, mode):
     assert all(e["ok"] for e in errs.values()), errs
 
 
-def test_op_nano_batches_keep_documents_whole(out, nccl_world, qkv):
-    """Two nano-batches of rows [0, T/2) and [T/2, T): nano-batch 1 attends to nano-batch 0's K/V of
-    the document crossing the split; together they equal attention over the whole row."""
-    q, k, v, dout = qkv
-    n0, n1 = distca.split_nano_batches(distca.Layout(tuple(_cu(NANO_DOCS).tolist()), 1, T), "rows")
-    assert n1.context, "the document crossing the split gives nano-batch 1 a context"
+def _nano_layouts() -> tuple[distca.Layout, distca.Layout]:
+    """NANO_DOCS split into rows [0, T/2) and [T/2, T) (order "rows"); the 8K document crosses the
+    split, so nano-batch 1 continues it (its context: 6144 rows of nano-batch 0's K/V)."""
+    return distca.split_nano_batches(distca.Layout(tuple(_cu(NANO_DOCS).tolist()), 1, T), "rows")
+
+
+def _nano_plans(exchange_local: bool = False) -> list[distca.DispatchPlan]:
+    """The two nano-batches prepared on the group of 1. ``exchange_local``: with the test hook of
+    ``build_dispatch``, so every task goes through all_to_all_single (none runs in place)."""
+    if not exchange_local:
+        return [distca.prepare(lay) for lay in _nano_layouts()]
+    plans = [distca.plan(lay, "distca") for lay in _nano_layouts()]
+    return [distca.prepare(p, dispatch=build_dispatch(p, 0, _exchange_local=True)) for p in plans]
+
+
+def _nano_fwd_bwd(q, k, v, dout, plans, schedule: str = "sequential"):
+    """Forward and backward of the two nano-batches over the whole row: ``(out, dq, dk, dv)``.
+
+    Nano-batch 1 takes ``[k0; k1] = k`` (its context first). ``schedule``: ``"sequential"``, one
+    core_attention call per nano-batch; ``"pingpong"``, start/serve/finish of both interleaved.
+    """
     qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
     h = T // 2
-    o0 = distca.core_attention(qq[:h], kk[:h], vv[:h], None, plan=distca.prepare(n0))
-    o1 = distca.core_attention(qq[h:], kk, vv, None, plan=distca.prepare(n1))  # context: [k0; k1] = k
-    o = torch.cat([o0, o1])
+    args = [(qq[:h], kk[:h], vv[:h]), (qq[h:], kk, vv)]
+    if schedule == "pingpong":
+        flights = [pingpong.start(*a, plan=p) for a, p in zip(args, plans)]
+        for f in flights:
+            pingpong.serve(f)
+        outs = [pingpong.finish(f) for f in flights]
+    else:
+        outs = [distca.core_attention(*a, None, plan=p) for a, p in zip(args, plans)]
+    o = torch.cat(outs)
     o.backward(dout)
-    errs = _compare((o.detach(), qq.grad, kk.grad, vv.grad), *_references(NANO_DOCS, q, k, v, dout))
+    return o.detach(), qq.grad, kk.grad, vv.grad
+
+
+def test_op_nano_batches_keep_documents_whole(out, nccl_world, qkv, nano_refs):
+    """Two nano-batches of rows [0, T/2) and [T/2, T): nano-batch 1 attends to nano-batch 0's K/V of
+    the document crossing the split; together they equal attention over the whole row."""
+    n1 = _nano_layouts()[1]
+    assert n1.context, "the document crossing the split gives nano-batch 1 a context"
+    errs = _compare(_nano_fwd_bwd(*qkv, _nano_plans()), *nano_refs)
     _record(out, "op_check.json", check_nano_batches=errs | {"context": [list(c) for c in n1.context]})
+    assert all(e["ok"] for e in errs.values()), errs
+
+
+def _record_all_to_alls(monkeypatch) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Every exchange all_to_all_single from now on, as (send splits, receive splits), in call order
+    (the flights call it through ``torch.distributed``; an agreement passes no splits and is left out)."""
+    import torch.distributed as dist
+
+    calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    real = dist.all_to_all_single
+
+    def recording(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        if input_split_sizes is not None:
+            calls.append((tuple(input_split_sizes), tuple(output_split_sizes)))
+        return real(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_to_all_single", recording)
+    return calls
+
+
+def test_op_all_to_alls_on_a_group_of_one(out, nccl_world, qkv, nano_refs, monkeypatch):
+    """NCCL's all_to_all_single on the op's path, which a group of 1 otherwise never runs.
+
+    With the test hook ``build_dispatch(..., _exchange_local=True)`` every task's rows go through
+    the all-to-alls (sent to this rank itself): the two nano-batches, whose K/V messages carry the
+    context and so more rows than their Q messages, then an idle nano-batch of padding only, whose
+    every message is empty (splits [0]). Each flight calls it 7 times (3 forward, 4 backward,
+    resend). The nano-batches against the fp32 reference; the idle one is exactly 0.
+    """
+    q, k, v, dout = qkv
+    calls = _record_all_to_alls(monkeypatch)
+    errs = _compare(_nano_fwd_bwd(q, k, v, dout, _nano_plans(exchange_local=True)), *nano_refs)
+    nano_calls = list(calls)
+    h = T // 2
+    idle = distca.plan(distca.Layout((0, h), 1, h, padding=(0,)), "distca")
+    dp = distca.prepare(idle, dispatch=build_dispatch(idle, 0, _exchange_local=True))
+    qq, kk, vv = (x[:h].detach().clone().requires_grad_() for x in (q, k, v))
+    o = distca.core_attention(qq, kk, vv, None, plan=dp)
+    o.backward(dout[:h])
+    idle_calls = calls[len(nano_calls) :]
+    idle_zero = all(bool((x == 0).all()) for x in (o, qq.grad, kk.grad, vv.grad))
+    _record(
+        out, "op_check.json", check_all_to_alls=errs | {
+            "all_to_alls": len(calls), "empty": sum(send == (0,) for send, _ in calls),
+            "rows": sorted({n for send, _ in calls for n in send}), "idle_zero": idle_zero,
+        },
+    )  # fmt: skip
+    assert all(e["ok"] for e in errs.values()), errs
+    assert len(nano_calls) == 2 * 7 and all(send == recv and len(send) == 1 for send, recv in nano_calls), nano_calls
+    assert len({send for send, _ in nano_calls}) > 1, f"Q and K/V messages should differ in rows: {nano_calls}"
+    assert idle_calls == [((0,), (0,))] * 7, idle_calls
+    assert idle_zero
+
+
+@pytest.mark.parametrize("exchange", ["in_place", "all_to_all"])
+@pytest.mark.parametrize("schedule", ["sequential", "pingpong"])
+def test_op_layers_never_sync_the_host(out, nccl_world, qkv, nano_refs, schedule, exchange):
+    """Forward + backward of the two nano-batches, one after the other or in ping-pong, on the
+    default path (everything in place on a group of 1) or through NCCL's all-to-alls (the test hook),
+    under ``torch.cuda.set_sync_debug_mode("error")``: any device-to-host synchronisation on a
+    layer's path raises. The mode is set after a warm-up with the same plans, since preparing a plan,
+    its metadata's one copy to the GPU and NCCL's communicator are once per plan, not per layer."""
+    q, k, v, dout = qkv
+    plans = _nano_plans(exchange_local=exchange == "all_to_all")
+    _nano_fwd_bwd(q, k, v, dout, plans, schedule)  # warm-up
+    torch.cuda.synchronize()
+    name = f"{schedule}_{exchange}"
+    before = torch.cuda.get_sync_debug_mode()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        with pytest.raises(RuntimeError, match="synchroniz"):  # the mode is live: a known sync raises
+            torch.ones(1, device="cuda").item()
+        got = _nano_fwd_bwd(q, k, v, dout, plans, schedule)
+    except Exception as e:
+        _record(out, "op_check.json", **{f"sync_free_{name}": f"FAILS: {type(e).__name__}: {e}"})
+        raise
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+    errs = _compare(got, *nano_refs)
+    _record(out, "op_check.json", **{f"sync_free_{name}": "ok", f"check_{name}": errs})
     assert all(e["ok"] for e in errs.values()), errs
 
 

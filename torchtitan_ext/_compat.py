@@ -1,11 +1,12 @@
 """Every torchtitan 0.2.2 patch, in one place: CPU start-up fixes and the SAC save list.
 
 torchtitan 0.2.2 assumes CUDA and triton. On a machine without CUDA five
-things break at start-up and MFU is computed against an A100 (measured with
-torch 2.13 CPU; the list is in ``docs/torchtitan.md``, "CPU start-up
-patches"). :func:`apply` fixes them from outside the package; nothing in
-site-packages is edited. Each of these is applied only when it is needed (no
-CUDA; the triton stub only when triton is missing).
+things break at start-up, MFU is computed against an A100 and
+``--profiling.enable_profiling`` fails (measured with torch 2.13 CPU; the list
+is in ``docs/torchtitan.md``, "CPU start-up patches"). :func:`apply` fixes
+them from outside the package; nothing in site-packages is edited. Each of
+these is applied only when it is needed (no CUDA; the triton stub only when
+triton is missing).
 
 One patch is not a workaround and is applied on every machine:
 ``"sac_save_core_attention"`` adds distca's core-attention op to llama3's
@@ -32,7 +33,7 @@ __all__ = ["apply", "applied", "PATCHES"]
 
 PATCHES = (
     "triton_stub", "cpu_device_type", "cpu_memory_monitor", "cpu_peak_flops", "gloo_fsdp_sum", "cpu_pg_timeouts",
-    "sac_save_core_attention",
+    "cpu_profiler_activities", "sac_save_core_attention",
 )  # fmt: skip
 """Names of the patches, in the order they are applied."""
 
@@ -56,6 +57,7 @@ def apply() -> frozenset[str]:
             ("cpu_peak_flops", _cpu_peak_flops),
             ("gloo_fsdp_sum", _gloo_fsdp_sum),
             ("cpu_pg_timeouts", _cpu_pg_timeouts),
+            ("cpu_profiler_activities", _cpu_profiler_activities),
         ):
             if name not in _applied:
                 fn()
@@ -253,7 +255,44 @@ def _cpu_pg_timeouts() -> None:
     du.set_pg_timeouts = set_pg_timeouts
 
 
-# ---- 6. selective activation checkpointing (every machine) -------------------------------
+# ---- 6. profiler ---------------------------------------------------------------------------
+
+
+class _ModuleView(types.ModuleType):
+    """``module`` as one importer sees it: the given attributes replaced, every other one read
+    through from ``module`` (so nothing outside that importer changes)."""
+
+    def __init__(self, module: types.ModuleType, **overrides: object) -> None:
+        super().__init__(module.__name__, module.__doc__)
+        self.__dict__.update(overrides)
+        self.__wrapped__ = module
+
+    def __getattr__(self, name: str) -> object:  # only for names not overridden
+        return getattr(self.__wrapped__, name)
+
+
+def _cpu_profiler_activities() -> None:
+    """``--profiling.enable_profiling`` on a machine without CUDA or XPU.
+
+    torchtitan/tools/profiling.py builds ``activities=[ProfilerActivity.CPU, gpu_device_profiled]``
+    with ``gpu_device_profiled = None`` when neither is available, and ``torch.profiler.profile``
+    raises ``TypeError: Expected ProfilerActivity or dict, got <class 'NoneType'>`` as the training
+    loop starts (with or without CAD). That module alone gets a view of ``torch`` whose
+    ``profiler.profile`` drops the ``None`` entry; the CPU activity, schedule and trace export are
+    torchtitan's (a chrome trace per profiled step under ``profiling.save_traces_folder``).
+    """
+    import torchtitan.tools.profiling as tp
+
+    def profile(*args, activities=None, **kwargs):
+        if activities is not None:
+            activities = [a for a in activities if a is not None]
+        return torch.profiler.profile(*args, activities=activities, **kwargs)
+
+    profile.__wrapped__ = torch.profiler.profile
+    tp.torch = _ModuleView(torch, profiler=_ModuleView(torch.profiler, profile=profile))
+
+
+# ---- 7. selective activation checkpointing (every machine) -------------------------------
 
 
 def _sac_save_core_attention() -> None:

@@ -9,12 +9,15 @@ then a TOML key under ``[core_attention]`` and a ``--core_attention.<key>`` flag
 # No `from __future__ import annotations`: tyro resolves these field types after torchtitan
 # merges the dataclass into its JobConfig, outside this module's namespace.
 
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Literal, get_args
 
 from distca.planner import POLICIES
 
-__all__ = ["CoreAttention", "JobConfig", "TICK_SCHEDULE", "nano_batches", "validate", "validate_job"]
+__all__ = [
+    "CoreAttention", "JobConfig", "TICK_SCHEDULE", "nano_batches", "saves_core_attention", "validate", "validate_job",
+]
 
 Policy = Literal["distca", "greedy", "per_doc_cp", "wlb_cp", "colocated"]
 Mode = Literal["resend", "keep"]
@@ -137,7 +140,7 @@ _SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B", TICK_SCHEDULE)
 
 def validate(
     cfg: CoreAttention, *, dp_size: int, cp_degree: int = 1, tp_degree: int = 1, pp_degree: int = 1,
-    pp_schedule: str = TICK_SCHEDULE, ac_mode: str = "none",
+    pp_schedule: str = TICK_SCHEDULE, ac_mode: str = "none", ac_option: str = "2",
 ) -> int:  # fmt: skip
     """Check ``[core_attention]`` against the job's parallelism; return the CA degree.
 
@@ -148,7 +151,9 @@ def validate(
             parallelism composes (each TP rank dispatches its own heads) except with
             nano-batches and with pipeline parallelism; context parallelism is rejected.
         pp_schedule: ``parallelism.pipeline_parallel_schedule`` (read when ``pp_degree > 1``).
-        ac_mode: ``activation_checkpoint.mode`` (read when a CA group spans pipeline stages).
+        ac_mode, ac_option: ``activation_checkpoint.mode`` and ``selective_ac_option`` (torchtitan's
+            default "2"): activation checkpointing must not re-run core attention's exchanges
+            where that breaks or only wastes them (nano-batches, a CA group across stages).
 
     Returns:
         Data-parallel ranks per CA group (with ``across_stages`` under pipeline parallelism the
@@ -188,12 +193,37 @@ def validate(
             "tensor/sequence-parallel input and output redistribution on block.attention and block.feed_forward; "
             "set core_attention.nano_batches = 1 and pingpong = false, or tensor_parallel_degree = 1"
         )
+    if n_nano > 1 and ac_mode in ("full", "selective"):
+        # The schedule's phases (distca.pingpong.start/serve/finish) are autograd Functions around
+        # collectives, not ops: SAC's op policy cannot save them, so a checkpointed block's
+        # recompute would run every forward exchange and agreement again in the backward.
+        raise ValueError(
+            f"core_attention.pingpong={str(cfg.pingpong).lower()} (nano_batches={cfg.nano_batches}, resolved to "
+            f"{n_nano} nano-batches) cannot be combined with activation_checkpoint.mode={ac_mode!r}"
+            f"{_ac_option_note(ac_mode, ac_option)}: the nano-batch schedule's exchange phases are not ops that "
+            "selective checkpointing can save, so the recompute in backward would re-run every forward all-to-all; "
+            'set activation_checkpoint.mode = "none", or core_attention.pingpong = false and nano_batches = 1 '
+            'with activation_checkpoint.mode = "selective" and selective_ac_option = "op" (saves core attention)'
+        )
     if pp_degree > 1:
-        return _validate_pp(cfg, dp_size, tp_degree, pp_degree, pp_schedule, ac_mode, n_nano)
+        return _validate_pp(cfg, dp_size, tp_degree, pp_degree, pp_schedule, ac_mode, ac_option, n_nano)
     return _dp_degree(cfg, dp_size)
 
 
-def _validate_pp(cfg: CoreAttention, dp_size: int, tp: int, pp: int, schedule: str, ac_mode: str, n_nano: int) -> int:
+def saves_core_attention(ac_mode: str, ac_option: str) -> bool:
+    """Whether activation checkpointing leaves core attention out of the recompute: none at all, or
+    torchtitan's op-level SAC, whose save list holds ``distca::core_attention_fwd``
+    (``torchtitan_ext._compat``), so the recompute runs none of its all-to-alls."""
+    return ac_mode == "none" or (ac_mode == "selective" and ac_option == "op")
+
+
+def _ac_option_note(ac_mode: str, ac_option: str) -> str:
+    return f" (selective_ac_option={ac_option!r})" if ac_mode == "selective" else ""
+
+
+def _validate_pp(
+    cfg: CoreAttention, dp_size: int, tp: int, pp: int, schedule: str, ac_mode: str, ac_option: str, n_nano: int
+) -> int:
     if n_nano > 1:
         raise ValueError(
             f"core_attention.nano_batches={cfg.nano_batches} (pingpong={str(cfg.pingpong).lower()}) cannot be "
@@ -221,11 +251,13 @@ def _validate_pp(cfg: CoreAttention, dp_size: int, tp: int, pp: int, schedule: s
             f"to call core attention in the same tick: set parallelism.pipeline_parallel_schedule = "
             f"{TICK_SCHEDULE!r} (got {schedule!r}), or core_attention.across_stages = false"
         )
-    if cfg.across_stages and ac_mode != "none":
+    if cfg.across_stages and not saves_core_attention(ac_mode, ac_option):
         raise ValueError(
-            f'core_attention.across_stages=true cannot be combined with activation_checkpoint.mode="{ac_mode}": '
-            "recomputed forwards would call core attention on the active stages only, out of step with the "
-            'idle stages that serve them; set activation_checkpoint.mode = "none" (or across_stages = false)'
+            f'core_attention.across_stages=true cannot be combined with activation_checkpoint.mode="{ac_mode}"'
+            f"{_ac_option_note(ac_mode, ac_option)}: recomputed forwards would call core attention on the active "
+            "stages only, out of step with the idle stages that serve them; set activation_checkpoint.mode = "
+            '"selective" with selective_ac_option = "op" (the save list keeps core attention out of the '
+            'recompute) or "none" (or across_stages = false)'
         )
     degree = _dp_degree(cfg, dp_size)
     if cfg.across_stages and degree != dp_size:
@@ -250,12 +282,18 @@ def _dp_degree(cfg: CoreAttention, dp_size: int) -> int:
 def validate_job(cfg: CoreAttention, job_config, dp_size: int) -> int:
     """:func:`validate` with the parallelism, schedule and activation checkpointing of a torchtitan
     ``JobConfig``; also rejects validation with a CA group across pipeline stages."""
-    p = job_config.parallelism
+    p, ac = job_config.parallelism, job_config.activation_checkpoint
+    ac_option = getattr(ac, "selective_ac_option", "2")
     degree = validate(
         cfg, dp_size=dp_size, cp_degree=p.context_parallel_degree, tp_degree=p.tensor_parallel_degree,
         pp_degree=p.pipeline_parallel_degree, pp_schedule=p.pipeline_parallel_schedule,
-        ac_mode=job_config.activation_checkpoint.mode,
+        ac_mode=ac.mode, ac_option=ac_option,
     )  # fmt: skip
+    if cfg.enable and ac.mode in ("full", "selective") and not saves_core_attention(ac.mode, ac_option):
+        _warn_once(
+            f"activation_checkpoint.mode={ac.mode!r}{_ac_option_note(ac.mode, ac_option)} recomputes core attention "
+            'in the backward, its all-to-alls included; selective_ac_option = "op" saves its outputs instead'
+        )
     val = getattr(job_config, "validation", None)
     if cfg.enable and p.pipeline_parallel_degree > 1 and val is not None and val.enable:
         raise ValueError(
@@ -263,3 +301,13 @@ def validate_job(cfg: CoreAttention, job_config, dp_size: int) -> int:
             f"parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}; set validation.enable = false"
         )
     return degree
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    """Log ``msg`` once per process (the trainer, its loaders and the converter each validate)."""
+    if msg not in _warned:
+        _warned.add(msg)
+        logging.getLogger(__name__).warning(msg)
