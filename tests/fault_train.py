@@ -3,7 +3,7 @@
     DISTCA_TEST_RANK1_ARGS="--core_attention.tolerance 0.3"   extra CLI args on local rank 1 only
     DISTCA_TEST_FAIL_STEP=2                                   local rank 1 raises in its forward at step 2
     DISTCA_TEST_KILL_STEP=7                                   local rank 1 is killed (SIGKILL) in its forward at step 7
-    DISTCA_TEST_BAD_CALL_STEP=3                               local rank 1 passes float64 q, k, v to one core
+    DISTCA_TEST_BAD_CALL_STEP=3                               local rank 1 passes mode="fast" to one core
                                                               attention call at step 3 (its peers' calls are fine)
 
 Every rank logs "optimizer step N" when its optimizer steps, so a test can tell which steps
@@ -48,7 +48,7 @@ class FaultyTrainer(train.CoreAttentionTrainer):
 
             def bad_once(q, k, v, *args, **kwargs):
                 distca.core_attention = good  # one bad call, then the rest of the step as usual
-                return good(q.double(), k.double(), v.double(), *args, **kwargs)
+                return good(q, k, v, *args, **{**kwargs, "mode": "fast"})
 
             distca.core_attention = bad_once
         if RANK1 and self.step == FAIL_STEP:

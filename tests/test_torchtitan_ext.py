@@ -457,7 +457,7 @@ def test_a_killed_rank_ends_every_rank_and_the_run_resumes_exactly(titan_dir, se
 
 @pytest.mark.slow
 def test_a_rejected_call_on_one_rank_raises_on_every_rank_before_the_optimizer_step(tmp_path):
-    """Rank 1 passes float64 q, k, v to one core-attention call of step 3 (its peer's are fine).
+    """Rank 1 passes a bad mode to one core-attention call of step 3 (its peer's calls are fine).
     No layer call agrees across ranks, so the call runs there on placeholder rows and every other
     call of the step goes on; the step boundary (``distca.check``, before gradient clipping and
     the optimizer) raises the error on both ranks: steps 1 and 2 updated the parameters, step 3
@@ -478,7 +478,7 @@ def test_a_rejected_call_on_one_rank_raises_on_every_rank_before_the_optimizer_s
     for rank in (0, 1):
         steps = [int(m) for m in re.findall(rf"\[default{rank}\]:optimizer step (\d+)", log)]
         assert steps == [1, 2], (rank, steps, log[-4000:])
-    mine = "q, k, v dtype must be one of torch.float32, torch.bfloat16, torch.float16, got torch.float64"
+    mine = "mode must be 'resend' or 'keep', got 'fast'"
     assert re.search(rf"\[default1\]:.*ValueError: core_attention rejected a call on this rank: {re.escape(mine)}", log), log[-4000:]
     assert re.search(r"\[default0\]:.*ValueError: another rank of the CA group \(size 2\) rejected its input: rank 1 says", log), log[-4000:]
 
