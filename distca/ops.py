@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from distca.kernels import select_backend, varlen_attn_backward, varlen_attn_forward
+from distca import kernels
 
 __all__ = ["varlen_attn"]
 
@@ -38,23 +38,19 @@ def _varlen_attn_fwd(
     return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Private op; ``return_lse`` only tells autograd whether lse can carry a gradient."""
-    return varlen_attn_forward(
+    # Looked up on the module at call time, so a wrapper installed there (timing, counting) sees it.
+    return kernels.varlen_attn_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, backend,
     )  # fmt: skip
 
 
 @_varlen_attn_fwd.register_fake
-def _varlen_attn_fwd_fake(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    softmax_scale, causal, backend, return_lse,
-):  # fmt: skip
+def _varlen_attn_fwd_fake(q: torch.Tensor, *_: Any) -> tuple[torch.Tensor, torch.Tensor]:
     # Every backend returns fresh contiguous tensors; the fake must match their
     # strides, or compiled training fails (measured with torch 2.13: Inductor trusts the fake's strides).
-    tq, hq, d = q.shape
-    out = q.new_empty((tq, hq, d))  # [Tq, Hq, D]
-    lse = q.new_empty((hq, tq), dtype=torch.float32)  # [Hq, Tq]
-    return out, lse
+    tq, hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((hq, tq), dtype=torch.float32)  # out [Tq, Hq, D], lse [Hq, Tq]
 
 
 @torch.library.custom_op("distca::varlen_attn_bwd", mutates_args=())
@@ -75,55 +71,38 @@ def _varlen_attn_bwd(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Private op: ``(dq, dk, dv)`` from the saved ``out``/``lse``; ``dlse`` may be None."""
-    return varlen_attn_backward(
+    return kernels.varlen_attn_backward(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, backend, dlse,
     )  # fmt: skip
 
 
 @_varlen_attn_bwd.register_fake
-def _varlen_attn_bwd_fake(
-    dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    softmax_scale, causal, backend,
-):  # fmt: skip
+def _varlen_attn_bwd_fake(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-     softmax_scale, causal, backend, return_lse) = inputs  # fmt: skip
+    q, k, v, cu_seqlens_q, cu_seqlens_k = inputs[:5]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-    ctx.max_seqlen_q = max_seqlen_q
-    ctx.max_seqlen_k = max_seqlen_k
-    ctx.softmax_scale = softmax_scale
-    ctx.causal = causal
-    ctx.backend = backend
-    ctx.return_lse = return_lse
+    # max_seqlen_q, max_seqlen_k, softmax_scale, causal, backend, return_lse
+    ctx.scalars = inputs[5:]
 
 
 def _backward(
     ctx: Any, dout: torch.Tensor, dlse: torch.Tensor
 ) -> tuple[torch.Tensor | None, ...]:
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    *scalars, return_lse = ctx.scalars  # max_seqlen_q, max_seqlen_k, softmax_scale, causal, backend
     # Autograd hands zeros for an unused lse; when the caller never saw lse the
     # extra dlse pass is skipped outright.
     dq, dk, dv = torch.ops.distca.varlen_attn_bwd(
         dout.contiguous(),  # may arrive expanded (stride 0), e.g. from out.sum()
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dlse.contiguous() if ctx.return_lse else None,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        ctx.max_seqlen_q,
-        ctx.max_seqlen_k,
-        ctx.softmax_scale,
-        ctx.causal,
-        ctx.backend,
-    )
+        q, k, v, out, lse,
+        dlse.contiguous() if return_lse else None,
+        cu_seqlens_q, cu_seqlens_k, *scalars,
+    )  # fmt: skip
     # cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
     # causal, backend, return_lse
     num_non_differentiable = 8
@@ -137,17 +116,15 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool)
 
 
+def _require_equal(what: str, a_name: str, a: Any, b_name: str, b: Any) -> None:
+    if a != b:
+        raise ValueError(f"{what}, got {a_name}={a} and {b_name}={b}")
+
+
 def _check_tensor_args(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float | None,
-    causal: bool,
-) -> None:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None, causal: bool,
+) -> None:  # fmt: skip
     """Checks on types, shapes, dtypes and devices: metadata only, safe under compile."""
     for name, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
                     ("cu_seqlens_k", cu_seqlens_k)):  # fmt: skip
@@ -171,16 +148,8 @@ def _check_tensor_args(
             f"q, k and v must be on one device, got q.device={q.device}, "
             f"k.device={k.device}, v.device={v.device}"
         )
-    if k.shape != v.shape:
-        raise ValueError(
-            f"k and v must have the same shape, got k.shape={tuple(k.shape)} "
-            f"and v.shape={tuple(v.shape)}"
-        )
-    if k.shape[2] != q.shape[2]:
-        raise ValueError(
-            f"q and k must have the same head_dim, got q.shape[2]={q.shape[2]} "
-            f"and k.shape[2]={k.shape[2]}"
-        )
+    _require_equal("k and v must have the same shape", "k.shape", tuple(k.shape), "v.shape", tuple(v.shape))
+    _require_equal("q and k must have the same head_dim", "q.shape[2]", q.shape[2], "k.shape[2]", k.shape[2])
     hq, hkv = q.shape[1], k.shape[1]
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(
@@ -199,11 +168,10 @@ def _check_tensor_args(
                 f"{name} must be on the CPU or on q's device, got {name}.device={cu.device} "
                 f"and q.device={q.device}"
             )
-    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must have the same length (num_tasks + 1), got "
-            f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
-        )
+    _require_equal(
+        "cu_seqlens_q and cu_seqlens_k must have the same length (num_tasks + 1)",
+        "cu_seqlens_q.shape[0]", cu_seqlens_q.shape[0], "cu_seqlens_k.shape[0]", cu_seqlens_k.shape[0],
+    )  # fmt: skip
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not _is_int(m):
             raise TypeError(f"{name} must be an int, got {type(m).__name__}")
@@ -278,7 +246,8 @@ def varlen_attn(
         causal: bottom-right causal mask if True, full attention within each task
             if False.
         return_lse: also return the log-sum-exp (it is differentiable).
-        backend: ``"cpu"``, ``"flash_attn"``, ``"torch_varlen"`` or None to let
+        backend: one of :data:`distca.kernels.BACKENDS` (``"cpu"``, ``"flash_attn"``,
+            ``"torch_varlen"``, ``"fa4"``, ``"torch_fa3"``, ``"torch_fa4"``) or None to let
             :func:`distca.kernels.select_backend` choose from q's device.
 
     Returns:
@@ -300,7 +269,7 @@ def varlen_attn(
         _check_seqlens("cu_seqlens_q", cu_seqlens_q.tolist(), q.shape[0], "q.shape[0]", max_seqlen_q)
     if not torch.compiler.is_compiling() and cu_seqlens_k.device.type == "cpu":
         _check_seqlens("cu_seqlens_k", cu_seqlens_k.tolist(), k.shape[0], "k.shape[0]", max_seqlen_k)
-    backend = select_backend(q.device, backend)
+    backend = kernels.select_backend(q.device, backend)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     out, lse = torch.ops.distca.varlen_attn_fwd(

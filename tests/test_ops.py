@@ -36,7 +36,7 @@ def _run(q, k, v, cu_q, cu_k, dout, dlse=None, **kwargs):
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["out-grad", "out-and-lse-grad"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_autograd_matches_reference(dtype, with_dlse, causal):
-    lq, lk = [3, 0, 97, 130, 9], [3, 4, 1025, 130, 2]
+    lq, lk = [3, 0, 6, 97, 130, 9], [3, 4, 0, 1025, 130, 2]  # with a zero-query and a zero-key task
     q, k, v, cu_q, cu_k = make_inputs(lq, lk, 4, 2, 59, dtype)
     gen = torch.Generator().manual_seed(7)
     dout = torch.randn(q.shape, generator=gen).to(dtype)
@@ -197,7 +197,7 @@ def test_random_task_batches(batch, seed):
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["out-grad", "out-and-lse-grad"])
 def test_cuda_autograd_matches_reference(with_dlse):
     """The public op on CUDA (default backend), cu_seqlens kept on the host."""
-    lq, lk = [3, 0, 97, 130, 9], [3, 4, 1025, 130, 2]
+    lq, lk = [3, 0, 6, 97, 130, 9], [3, 4, 0, 1025, 130, 2]  # with a zero-query and a zero-key task
     q, k, v, cu_q, cu_k = make_inputs(lq, lk, 4, 2, 64, torch.bfloat16)
     gen = torch.Generator().manual_seed(8)
     dout = torch.randn(q.shape, generator=gen).to(q.dtype)

@@ -30,8 +30,13 @@ never passed to it.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-__all__ = ["varlen_fwd_cpu", "varlen_bwd_cpu"]
+from distca.kernels._common import Grads, VarlenMetadata, fold_dlse
+
+__all__ = ["DEVICE_TYPE", "available", "forward", "backward"]
+
+DEVICE_TYPE = "cpu"
 
 _fwd_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _bwd_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -117,21 +122,19 @@ def _visible_rows(lq: int, lk: int, causal: bool) -> int:
     return max(lq - lk, 0) if causal else 0
 
 
-def varlen_fwd_cpu(
-    q: torch.Tensor,  # [Tq, Hq, D]
-    k: torch.Tensor,  # [Tk, Hkv, D]
-    v: torch.Tensor,  # [Tk, Hkv, D]
-    cu_seqlens_q: torch.Tensor,  # [B + 1] int
-    cu_seqlens_k: torch.Tensor,  # [B + 1] int
-    softmax_scale: float,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def available(device: torch.device) -> tuple[bool, str]:
+    """ATen's CPU flash kernel is in every torch build."""
+    return True, ""
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, meta: VarlenMetadata) -> tuple[Tensor, Tensor]:
     """Varlen attention forward on CPU; returns ``out [Tq, Hq, D]``, ``lse [Hq, Tq]`` fp32."""
     tq, hq, d = q.shape
     out = torch.empty(tq, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(hq, tq, dtype=torch.float32, device=q.device)
-    cu_q = cu_seqlens_q.tolist()
-    cu_k = cu_seqlens_k.tolist()
+    cu_q = meta.cu_seqlens_q.tolist()
+    cu_k = meta.cu_seqlens_k.tolist()
+    softmax_scale, causal = meta.softmax_scale, meta.causal
     for i in range(len(cu_q) - 1):
         q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
         if q1 == q0:
@@ -148,24 +151,23 @@ def varlen_fwd_cpu(
     return out, lse
 
 
-def varlen_bwd_cpu(
-    dout: torch.Tensor,  # [Tq, Hq, D]
-    q: torch.Tensor,  # [Tq, Hq, D]
-    k: torch.Tensor,  # [Tk, Hkv, D]
-    v: torch.Tensor,  # [Tk, Hkv, D]
-    out: torch.Tensor,  # [Tq, Hq, D]
-    lse: torch.Tensor,  # [Hq, Tq] fp32
-    cu_seqlens_q: torch.Tensor,  # [B + 1] int
-    cu_seqlens_k: torch.Tensor,  # [B + 1] int
-    softmax_scale: float,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Varlen attention backward on CPU; returns contiguous ``(dq, dk, dv)``."""
+def backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    meta: VarlenMetadata, dlse: Tensor | None = None,
+) -> Grads:  # fmt: skip
+    """Varlen attention backward on CPU; returns contiguous ``(dq, dk, dv)`` (shapes: distca.kernels)."""
+    return fold_dlse(_backward, dout, q, k, v, out, lse, meta, dlse)
+
+
+def _backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, meta: VarlenMetadata
+) -> Grads:
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    cu_q = cu_seqlens_q.tolist()
-    cu_k = cu_seqlens_k.tolist()
+    cu_q = meta.cu_seqlens_q.tolist()
+    cu_k = meta.cu_seqlens_k.tolist()
+    softmax_scale, causal = meta.softmax_scale, meta.causal
     for i in range(len(cu_q) - 1):
         q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
         r = q0 + _visible_rows(q1 - q0, k1 - k0, causal)
