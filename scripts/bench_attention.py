@@ -97,7 +97,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--case", default="all", choices=("all", "group1", "colocated"),
         help="group1: 1-rank group, default policy; colocated: --ranks processes, colocated plans",
     )  # fmt: skip
+    c = p.add_argument_group("checks (--checks; uses --ranks, --repeats)")
+    c.add_argument(
+        "--checks", action="store_true",
+        help="what core_attention's cross-rank checks cost: one agreement, and the collectives of a step",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    if args.checks and args.repeats is None:
+        args.repeats = 200
     if args.repeats is None:
         args.repeats = 5 if args.overhead else 1
     if args.repeats < 1:
@@ -628,9 +635,79 @@ def _print_overhead(args: argparse.Namespace, rows: list[dict]) -> None:
         )
 
 
+def _checks_worker(rank: int, world: int, repeats: int, layers: int) -> dict:
+    """Seconds per agreement of each kind, and the collectives one step of ``layers`` calls runs
+    on an agreed plan that moves nothing (default) and with ``verify="every_call"``."""
+    import torch.distributed as dist
+
+    import distca
+
+    T, spec = 256, distca.CallSpec(4, 2, 16, torch.float32)
+    cu = [0, *range(64, world * T + 1, 64)]  # documents never cross a rank: the plan moves nothing
+    q, k, v = torch.randn(T, 4, 16), torch.randn(T, 2, 16), torch.randn(T, 2, 16)
+
+    def per_call(fn) -> float:
+        fn()  # warm
+        t = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - t0)
+        return float(np.median(t))
+
+    dp = distca.prepare(cu, spec=spec)
+    dpe = distca.prepare(cu, verify="every_call")
+    row = {
+        "ranks": world,
+        "prepare_s": per_call(lambda: distca.prepare(dp.plan, spec=spec)),  # agreement + metadata
+        "check_s": per_call(lambda: distca.check(dp)),
+        "call_default_s": per_call(lambda: distca.core_attention(q, k, v, None, plan=dp)),
+        "call_every_call_s": per_call(lambda: distca.core_attention(q, k, v, None, plan=dpe)),
+    }
+    counted = {"n": 0}
+    a2a = dist.all_to_all_single
+
+    def counting(*a, **kw):
+        counted["n"] += 1
+        return a2a(*a, **kw)
+
+    dist.all_to_all_single = counting
+    try:
+        for name, p in (("default", distca.prepare(cu, spec=spec)), ("every_call", distca.prepare(cu, verify="every_call"))):
+            counted["n"] = 0
+            for _ in range(layers):
+                distca.core_attention(q, k, v, None, plan=p)
+            distca.check(p)
+            row[f"collectives_{name}"] = counted["n"]
+    finally:
+        dist.all_to_all_single = a2a
+    return row
+
+
+def run_checks(args: argparse.Namespace) -> list[dict]:
+    from distca._spawn import run as spawn
+
+    rows = spawn(_checks_worker, args.ranks, args.repeats, 32, timeout=600)
+    worst = {k: max(r[k] for r in rows) if k.endswith("_s") else rows[0][k] for k in rows[0]}
+    return [dict(worst, layers=32)]
+
+
+def _print_checks(rows: list[dict]) -> None:
+    r = rows[0]
+    ms = lambda k: f"{1e3 * r[k]:.3f} ms"  # noqa: E731
+    print(f"{r['ranks']} ranks (slowest rank's median): one prepare with its agreement {ms('prepare_s')}, "
+          f"one distca.check {ms('check_s')}")  # fmt: skip
+    print(f"a call on a plan that moves nothing: {ms('call_default_s')} (default), "
+          f"{ms('call_every_call_s')} (verify='every_call': one agreement per call)")  # fmt: skip
+    print(f"collectives of a step of {r['layers']} forward calls + distca.check: "
+          f"{r['collectives_default']} (default), {r['collectives_every_call']} (every_call)")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
-    if args.overhead:
+    if args.checks:
+        rows, table = run_checks(args), lambda: _print_checks(rows)
+    elif args.overhead:
         rows, table = run_overhead(args), lambda: _print_overhead(args, rows)
     elif args.dist:
         rows, table = run_dist(args), lambda: _print_dist(rows)
