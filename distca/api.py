@@ -451,6 +451,8 @@ def _admit(dp: DispatchPlan, q, k, v, mode: object, err: str | None = None, requ
     st.forward_calls += 1
     if err is None:
         return _Admitted(q, k, v, mode, False)  # type: ignore[arg-type]
+    if dp.group is None or dist.get_world_size(dp.group) == 1:
+        raise ValueError(err)  # nobody waits for this rank: raise at the call
     if not st.errors:
         logger.error(
             "core_attention rejected a call on this rank: %s. It runs with placeholder rows so that no peer waits; "

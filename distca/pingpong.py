@@ -13,8 +13,8 @@ nano-batch is in flight while the other computes::
     y0 = post_attention(x0, o0)                 # overlaps f1's return
     o1 = pingpong.finish(f1)
 
-Backward needs no schedule of its own: each phase is an autograd node whose
-backward is the mirrored phase (``finish`` starts the backward dispatch,
+Backward needs no schedule of its own: each phase is an autograd node (a custom op,
+``distca::pingpong_start`` / ``_serve`` / ``_finish``) whose backward is the mirrored phase (``finish`` starts the backward dispatch,
 ``serve`` waits for it, runs the backward kernel and starts the return,
 ``start`` waits and scatters dQ/dK/dV home). Autograd runs ready nodes in
 reverse creation order, so the backward replays the forward's interleaving
@@ -28,7 +28,9 @@ different order, so one nano-batch through ``start``/``serve``/``finish`` equals
 ``core_attention`` bit for bit. Every rank must call the phases of all nano-batches in
 the same order (collectives are matched by order). Eager only: the phases are
 Python-level schedule steps (``torch.compile`` runs them as graph breaks); compile the
-code between them instead. Exchange wait time (what the schedule failed to hide, on
+code between them instead. Selective activation checkpointing that saves the three ops
+(:data:`SAVEABLE_OPS`; torchtitan_ext adds them to torchtitan's op save list) runs no phase,
+and so no exchange, in the recompute. Exchange wait time (what the schedule failed to hide, on
 CPU) adds up in the plan's ``DispatchPlan.stats``.
 
 Shape legend: T tokens per rank (of this nano-batch), Hq/Hkv heads, D head dim.
@@ -36,12 +38,14 @@ Shape legend: T tokens per rank (of this nano-batch), Hq/Hkv heads, D head dim.
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from distca import kernels
-from distca.api import DispatchPlan, _admit, _carried_output, _lookup_or_reject, _reject
+from distca.api import DispatchPlan, _admit, _carried_output, _lookup_or_reject, _owned_dense, _reject
 from distca.cost import Mode
 from distca.exchange import Flight as _Exchange
 
@@ -60,6 +64,8 @@ class Flight:
     token: torch.Tensor | None = None
     """Autograd link from the last phase to the next (an empty tensor)."""
     inputs: tuple = ()
+    key: int = 0
+    """The key under which the phases' ops find this flight."""
     caller_q: object = None
     """A carried (locally rejected) call: the caller's q, which shapes the zeros it returns."""
 
@@ -68,48 +74,96 @@ class Flight:
         return self.exchange.meta
 
 
-# ---- autograd: one node per phase; each backward is the mirrored phase -----------------------
+# ---- the phases as ops: one autograd node each, whose backward is the mirrored phase ----------
+#
+# Custom ops (not autograd.Functions) so that selective activation checkpointing can save them:
+# torchtitan's op-level SAC lists them with ``distca::core_attention_fwd``, and its recompute
+# then returns their saved outputs without running them (no exchange in the backward). A phase
+# finds its flight by an int key (a weak lookup, no tensor read: the flight lives while its
+# caller or its autograd nodes hold it). Eager only (the public phases are dynamo-disabled), so
+# the ops need not mutate anything to stay in a graph.
+
+_FLIGHTS: "weakref.WeakValueDictionary[int, Flight]" = weakref.WeakValueDictionary()
+_FLIGHT_IDS = itertools.count(1)
 
 
-class _Start(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, flight: Flight, q, k, v):
-        flight.exchange.dispatch(q, k, v)
-        ctx.flight = flight
-        return q.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, _):
-        return (None, *ctx.flight.exchange.land_bwd())
+def _flight(key: int) -> "Flight":
+    return _FLIGHTS[key]
 
 
-class _Serve(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, flight: Flight, token):
-        flight.exchange.serve()
-        ctx.flight = flight
-        return token.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.flight.exchange.serve_bwd()
-        ctx.flight.plan._state.backward_calls += 1
-        return None, g.new_zeros(0)
+@torch.library.custom_op("distca::pingpong_start", mutates_args=())
+def _start_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: int) -> torch.Tensor:
+    """Home: send the exchanged rows; returns the phase token (an empty tensor)."""
+    _flight(key).exchange.dispatch(q, k, v)
+    return q.new_empty(0)
 
 
-class _Finish(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, flight: Flight, token, q, k, v):
-        out, lse = flight.exchange.land()
-        ctx.flight = flight
-        ctx.save_for_backward(q, k, v, out, lse)  # home keeps what the backward re-sends
-        return out
+@torch.library.custom_op("distca::pingpong_serve", mutates_args=())
+def _serve_op(token: torch.Tensor, key: int) -> torch.Tensor:
+    """Server: in-place tasks, received tasks, start returning O and LSE; returns the next token."""
+    _flight(key).exchange.serve()
+    return token.new_empty(0)
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        ctx.flight.exchange.dispatch_bwd(dout.contiguous(), q, k, v, out, lse)
-        return None, dout.new_zeros(0), None, None, None
+
+@torch.library.custom_op("distca::pingpong_finish", mutates_args=())
+def _finish_op(
+    token: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Home: wait for the returned rows; fresh ``out`` [T, Hq, D] and ``lse`` [Hq, T] fp32."""
+    out, lse = _flight(key).exchange.land()
+    return _owned_dense(out), _owned_dense(lse)
+
+
+@_start_op.register_fake
+def _(q, k, v, key):
+    return q.new_empty(0)
+
+
+@_serve_op.register_fake
+def _(token, key):
+    return token.new_empty(0)
+
+
+@_finish_op.register_fake
+def _(token, q, k, v, key):
+    T, hq, d = q.shape
+    return q.new_empty((T, hq, d)), q.new_empty((hq, T), dtype=torch.float32)
+
+
+def _keep_flight(ctx, inputs, output) -> None:
+    ctx.flight = _flight(inputs[-1])  # the graph holds the flight until its backward has run
+
+
+def _start_bwd(ctx, _token_grad):
+    dq, dk, dv = ctx.flight.exchange.land_bwd()
+    return dq, dk, dv, None
+
+
+def _serve_bwd(ctx, g):
+    ctx.flight.exchange.serve_bwd()
+    ctx.flight.plan._state.backward_calls += 1
+    return g.new_zeros(0), None
+
+
+def _finish_setup(ctx, inputs, output) -> None:
+    _keep_flight(ctx, inputs, output)
+    token, q, k, v, _ = inputs
+    ctx.save_for_backward(q, k, v, *output)  # home keeps what the backward re-sends
+    ctx.token_like = token
+
+
+def _finish_bwd(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    ctx.flight.exchange.dispatch_bwd(dout.contiguous(), q, k, v, out, lse)
+    return dout.new_zeros(0), None, None, None, None
+
+
+torch.library.register_autograd("distca::pingpong_start", _start_bwd, setup_context=_keep_flight)
+torch.library.register_autograd("distca::pingpong_serve", _serve_bwd, setup_context=_keep_flight)
+torch.library.register_autograd("distca::pingpong_finish", _finish_bwd, setup_context=_finish_setup)
+
+SAVEABLE_OPS = ("pingpong_start", "pingpong_serve", "pingpong_finish")
+"""The phases' ops (``torch.ops.distca.<name>.default``): save them all, or none, under SAC."""
 
 
 # ---- public phases ---------------------------------------------------------------------------
@@ -145,7 +199,9 @@ def start(
     scale = a.q.shape[-1] ** -0.5 if softmax_scale is None or a.carried else softmax_scale
     dev = a.q.device
     flight = Flight(plan.flight(dev, scale, a.mode, kernels.select_backend(dev, backend)), plan)
-    flight.token = _Start.apply(flight, a.q, a.k, a.v)
+    flight.key = next(_FLIGHT_IDS)
+    _FLIGHTS[flight.key] = flight
+    flight.token = _start_op(a.q, a.k, a.v, flight.key)
     flight.inputs = (a.q, a.k, a.v)  # until finish() hands them to autograd
     flight.caller_q = q if a.carried else None
     return flight
@@ -164,14 +220,14 @@ def serve(flight: Flight) -> None:
     """Server side: run this nano-batch's in-place tasks, wait for its rows, run the
     received tasks, start sending O and LSE home."""
     _advance(flight, "started", "served")
-    flight.token = _Serve.apply(flight, flight.token)
+    flight.token = _serve_op(flight.token, flight.key)
 
 
 @torch._dynamo.disable
 def finish(flight: Flight) -> torch.Tensor:
     """Wait for the outputs; returns [T, Hq, D], equal to :func:`distca.core_attention`'s."""
     _advance(flight, "served", "finished")
-    out = _Finish.apply(flight, flight.token, *flight.inputs)
+    out, _ = _finish_op(flight.token, *flight.inputs, flight.key)
     flight.token, flight.inputs = None, ()
     if flight.caller_q is not None:  # a carried call: zeros, its exchanges ran on placeholders
         out, flight.caller_q = _carried_output(flight.caller_q, out), None

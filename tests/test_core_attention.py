@@ -518,10 +518,10 @@ def test_padding_in_one_process():
         meta = build_dispatch(p, 0)
         assert meta.local_only and not meta.moves_rows and meta.padding_rows == int(lay.padding_mask(0).sum())
         assert meta.local_tasks == lay.num_docs - len(pad)
-        dp = api.DispatchPlan(p, meta, None, torch.tensor([next(api._IDS)]), digest=1)
-        api._LIVE[int(dp.handle)] = dp
         ref = _reference(cu, q, k, v, dout, pad)
-        for mode in ("resend", "keep"):
+        for mode in ("resend", "keep"):  # a plan per mode: its first call fixes the mode of all its calls
+            dp = api.DispatchPlan(p, meta, None, torch.tensor([next(api._IDS)]), digest=1)
+            api._LIVE[int(dp.handle)] = dp
             ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
             out = api._CoreAttentionFn.apply(ql, kl, vl, dp.handle, dp, d**-0.5, mode, kernels.select_backend("cpu"), True, "")
             (out * dout).sum().backward()

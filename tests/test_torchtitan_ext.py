@@ -499,7 +499,8 @@ def _sac_worker(rank, world):
 
     T, H, D = 64, 2, 8
     # per_doc_cp splits both documents over both ranks: the op exchanges rows every call.
-    dp = distca.prepare(torch.tensor([0, 100, 2 * T]), policy="per_doc_cp")
+    # Its spec is agreed here, so no call runs an agreement: every all-to-all counted is the exchange's.
+    dp = distca.prepare(torch.tensor([0, 100, 2 * T]), policy="per_doc_cp", spec=distca.CallSpec(H, H, D, torch.float32))
     torch.manual_seed(0)
     x, w = torch.randn(T, H * D), torch.randn(H * D, 3 * H * D) / 4
     counts = {"kernel_fwd": 0, "all_to_all": 0}
