@@ -4,7 +4,7 @@
   exactly the all-to-alls of a run without checkpointing: core attention's outputs are in its
   save list (``torchtitan_ext._compat``), so the recompute in backward calls no collective, also
   with one CA group across pipeline stages;
-- the start-up rules: nano-batches (ping-pong) with full AC or SAC, and a CA group across pipeline
+- the start-up rules: nano-batches (ping-pong) with full AC or layer SAC, and a CA group across pipeline
   stages with anything but op-level SAC or none, are rejected (``torchtitan_ext.config``);
 - ``--profiling.enable_profiling`` writes a chrome trace on CPU (``torchtitan_ext._compat``).
 
@@ -123,6 +123,12 @@ def pp_op_sac(runs_dir):
     return _run(runs_dir / "pp_op", "--training.local_batch_size", "2", *_OP_SAC, config=pp_config)
 
 
+@pytest.fixture(scope="module")
+def pingpong_op_sac(runs_dir):
+    """Ping-pong (two nano-batches per step) with op-level SAC."""
+    return _run(runs_dir / "pingpong_op", "--core_attention.pingpong", *_OP_SAC)
+
+
 # ---- activation checkpointing ------------------------------------------------------------------
 
 
@@ -158,18 +164,32 @@ def test_op_sac_with_a_group_across_pipeline_stages(pp_op_sac):
     assert all(x == x and abs(x) < 100 for x in losses), losses  # finite grad norms (loss -1: stage 0)
 
 
+@pytest.mark.slow
+def test_op_sac_saves_the_pingpong_phases(pingpong_op_sac):
+    """Ping-pong with op-level SAC (``llama3_8b_ca.toml``): the schedule's phases are ops in the save
+    list, so the recompute in backward runs none of their exchanges. Per flight the forward runs 3
+    all-to-alls (Q, K/V out; O/LSE back) and the backward 4 (Q/O/dO/LSE and K/V out; dQ, dK/dV
+    back); a recompute would add the forward's 3 to the backward's."""
+    log, counts, losses = pingpong_op_sac
+    assert "Applied selective activation checkpointing" in log and "2 nano-batch(es), ping-pong" in log, log[-4000:]
+    for c in counts:
+        forward_exchanges = c["total"] - c["backward"] - c["blocking"]  # blocking: agreements, never in backward
+        assert forward_exchanges > 0 and c["blocking_backward"] == 0, c
+        assert c["backward"] * 3 == forward_exchanges * 4, c
+    assert all(x == x and abs(x) < 100 for x in losses), losses
+
+
 def test_nano_batches_reject_checkpointing_that_recomputes_their_phases():
-    """The ping-pong phases are autograd Functions around collectives, not ops SAC could save:
-    any checkpointing of the block would re-run their exchanges, so start-up rejects it."""
-    for ac_mode, ac_option, shown in (("full", "op", "'full':"), ("selective", "op", "(selective_ac_option='op')"),
-                                      ("selective", "2", "(selective_ac_option='2')")):  # fmt: skip
+    """The ping-pong phases are ops that op-level SAC saves (their recompute runs no exchange); full
+    AC and layer SAC would re-run them, so start-up rejects those."""
+    for ac_mode, ac_option, shown in (("full", "op", "'full':"), ("selective", "2", "(selective_ac_option='2')")):
         for cfg in (CoreAttention(enable=True, pingpong=True), CoreAttention(enable=True, nano_batches=2)):
             with pytest.raises(ValueError, match=r"core_attention.pingpong=(true|false) \(nano_batches=(-1|2)") as e:
                 validate(cfg, dp_size=2, ac_mode=ac_mode, ac_option=ac_option)
             assert f"activation_checkpoint.mode={ac_mode!r}" in str(e.value) and shown in str(e.value)
-            assert 'activation_checkpoint.mode = "none"' in str(e.value)
-    for ac_mode in ("none", "memory_budget"):  # memory_budget recomputes inside compiled pieces only
-        assert validate(CoreAttention(enable=True, pingpong=True), dp_size=2, ac_mode=ac_mode) == 2
+            assert 'selective_ac_option = "op"' in str(e.value)
+    for ac_mode, ac_option in (("none", "op"), ("memory_budget", "op"), ("selective", "op")):
+        assert validate(CoreAttention(enable=True, pingpong=True), dp_size=2, ac_mode=ac_mode, ac_option=ac_option) == 2
     # One nano-batch: every mode starts (full AC and layer SAC with the warning below).
     for ac_mode, ac_option in (("full", "2"), ("selective", "op"), ("selective", "2")):
         assert validate(CoreAttention(enable=True), dp_size=2, ac_mode=ac_mode, ac_option=ac_option) == 2

@@ -296,18 +296,23 @@ def _cpu_profiler_activities() -> None:
 
 
 def _sac_save_core_attention() -> None:
-    """Add ``distca::core_attention_fwd`` to llama3's op-level SAC save list.
+    """Add ``distca::core_attention_fwd`` and the ping-pong phases' ops
+    (``distca.pingpong.SAVEABLE_OPS``) to llama3's op-level SAC save list.
 
     With ``activation_checkpoint.mode = "selective"`` and ``selective_ac_option = "op"``,
     torchtitan saves the outputs of the ops in ``_op_sac_save_list`` (matmuls, SDPA and
     varlen attention, ...) and recomputes everything else in backward. Saving core
     attention's ``out`` [T, Hq, D] and ``lse`` [Hq, T] (what a saved SDPA keeps too) means the
     recompute never re-runs the op, so neither its kernel nor its all-to-alls run twice. The
-    op returns its outputs for this reason: SAC can only save what an op returns. torchtitan
-    reads the set when it parallelizes the model, long after the launcher's :func:`apply`.
+    op returns its outputs for this reason: SAC can only save what an op returns. With
+    nano-batches the same holds for the three phases (their tokens, ``out`` and ``lse``): the
+    recompute returns them without running an exchange. torchtitan reads the set when it
+    parallelizes the model, long after the launcher's :func:`apply`.
     """
     import torchtitan.models.llama3.infra.parallelize as llama3_parallelize
 
-    import distca.api  # noqa: F401  (registers torch.ops.distca)
+    from distca import pingpong  # registers torch.ops.distca (the op and the phases)
 
-    llama3_parallelize._op_sac_save_list.add(torch.ops.distca.core_attention_fwd.default)
+    ops = [torch.ops.distca.core_attention_fwd.default]
+    ops += [getattr(torch.ops.distca, name).default for name in pingpong.SAVEABLE_OPS]
+    llama3_parallelize._op_sac_save_list.update(ops)

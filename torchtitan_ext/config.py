@@ -193,17 +193,15 @@ def validate(
             "tensor/sequence-parallel input and output redistribution on block.attention and block.feed_forward; "
             "set core_attention.nano_batches = 1 and pingpong = false, or tensor_parallel_degree = 1"
         )
-    if n_nano > 1 and ac_mode in ("full", "selective"):
-        # The schedule's phases (distca.pingpong.start/serve/finish) are autograd Functions around
-        # collectives, not ops: SAC's op policy cannot save them, so a checkpointed block's
-        # recompute would run every forward exchange and agreement again in the backward.
+    if n_nano > 1 and ac_mode in ("full", "selective") and not saves_core_attention(ac_mode, ac_option):
+        # Full AC or layer SAC re-runs the whole block in the backward, the schedule's phases
+        # (distca.pingpong's ops) with their all-to-alls included; op-level SAC saves them.
         raise ValueError(
             f"core_attention.pingpong={str(cfg.pingpong).lower()} (nano_batches={cfg.nano_batches}, resolved to "
             f"{n_nano} nano-batches) cannot be combined with activation_checkpoint.mode={ac_mode!r}"
-            f"{_ac_option_note(ac_mode, ac_option)}: the nano-batch schedule's exchange phases are not ops that "
-            "selective checkpointing can save, so the recompute in backward would re-run every forward all-to-all; "
-            'set activation_checkpoint.mode = "none", or core_attention.pingpong = false and nano_batches = 1 '
-            'with activation_checkpoint.mode = "selective" and selective_ac_option = "op" (saves core attention)'
+            f"{_ac_option_note(ac_mode, ac_option)}: its recompute in backward would re-run every forward "
+            'all-to-all of the nano-batch schedule; set activation_checkpoint.mode = "selective" with '
+            'selective_ac_option = "op" (saves core attention and the schedule\'s phases), or mode = "none"'
         )
     if pp_degree > 1:
         return _validate_pp(cfg, dp_size, tp_degree, pp_degree, pp_schedule, ac_mode, ac_option, n_nano)
@@ -212,8 +210,9 @@ def validate(
 
 def saves_core_attention(ac_mode: str, ac_option: str) -> bool:
     """Whether activation checkpointing leaves core attention out of the recompute: none at all, or
-    torchtitan's op-level SAC, whose save list holds ``distca::core_attention_fwd``
-    (``torchtitan_ext._compat``), so the recompute runs none of its all-to-alls."""
+    torchtitan's op-level SAC, whose save list holds ``distca::core_attention_fwd`` and the
+    ping-pong phases' ops (``torchtitan_ext._compat``), so the recompute runs none of their
+    all-to-alls."""
     return ac_mode == "none" or (ac_mode == "selective" and ac_option == "op")
 
 
