@@ -2,6 +2,7 @@
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -212,6 +213,69 @@ def test_pingpong_misuse_raises_clearly_on_every_rank():
         assert msgs[2] == (9 if r == 1 else 8, 2, 4)  # the call returned, with the caller's shape
     assert "q has T=9 rows but the plan's layout has tokens_per_rank=8" in results[1][3]  # the bad rank names the rule
     assert "another rank" in results[0][3] and "rank 1 says" in results[0][3]  # the other one raises too, instead of hanging
+
+
+def _sac_worker(rank, world):
+    """One forward+backward of two ping-pong nano-batches: without checkpointing, under SAC that saves
+    the phases' ops, and under SAC that recomputes them (the control)."""
+    from functools import partial
+
+    import torch.distributed as dist
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    import distca
+    from distca import Layout, pingpong, split_nano_batches
+
+    T, H, D = 64, 2, 8
+    n0, n1 = split_nano_batches(Layout((0, 5, 100, 2 * T), world, T), "stream")  # nano-batch 1 continues a document
+    spec = distca.CallSpec(H, H, D, torch.float32)
+    dps = [distca.prepare(n, spec=spec) for n in (n0, n1)]
+    torch.manual_seed(0)
+    x, w = torch.randn(T, H * D), torch.randn(H * D, 3 * H * D) / 4
+    counts = {"a2a": 0}
+    a2a = dist.all_to_all_single
+
+    def counting(*args, **kwargs):
+        counts["a2a"] += 1
+        return a2a(*args, **kwargs)
+
+    dist.all_to_all_single = counting
+
+    def f(x):
+        (q0, k0, v0), (q1, k1, v1) = ((xi @ w).view(T // 2, 3, H, D).unbind(1) for xi in x.split(T // 2))
+        k1, v1 = torch.cat([k0, k1]), torch.cat([v0, v1])
+        f0, f1 = pingpong.start(q0, k0, v0, plan=dps[0]), pingpong.start(q1, k1, v1, plan=dps[1])
+        pingpong.serve(f0)
+        pingpong.serve(f1)
+        return pingpong.finish(f0).square().sum() + pingpong.finish(f1).square().sum()
+
+    phases = {getattr(torch.ops.distca, name).default for name in pingpong.SAVEABLE_OPS}
+
+    def policy(save, ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if save and func in phases else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def sac(save):
+        ctx_fn = partial(create_selective_checkpoint_contexts, partial(policy, save))
+        return lambda x: checkpoint(f, x, use_reentrant=False, context_fn=ctx_fn)
+
+    results = {}
+    for name, fn in (("none", f), ("save", sac(True)), ("recompute", sac(False))):
+        counts["a2a"] = 0
+        xg = x.clone().requires_grad_()
+        fn(xg).backward()
+        results[name] = (xg.grad.numpy(), counts["a2a"])
+    distca.check(dps)
+    return bool(n1.context), [dp.plan.traffic.total_bytes > 0 for dp in dps], results
+
+
+@pytest.mark.slow
+def test_selective_checkpointing_saves_the_phases_and_runs_no_exchange_in_the_recompute():
+    for context, moved, res in run_workers(_sac_worker, 2, timeout=120):
+        assert context and all(moved), (context, moved)
+        (g_none, n_none), (g_save, n_save), (g_rec, n_rec) = res["none"], res["save"], res["recompute"]
+        assert n_none == 2 * (3 + 4), n_none  # per nano-batch: 3 all-to-alls forward, 4 backward
+        assert n_save == n_none and np.array_equal(g_save, g_none)  # saved: no exchange recomputed, same bits
+        assert n_rec == n_none + 2 * 3 and np.allclose(g_rec, g_none, rtol=0, atol=1e-6)  # the control re-runs them
 
 
 # ---- torchtitan: ping-pong in the trainer (torchrun, 2 processes, CPU/gloo) --------------------
