@@ -140,15 +140,19 @@ def _errors_worker(rank, world):
 
         return run
 
-    for name, call in {
-        "later_T": lambda: distca.core_attention(q[:12] if one else q, k[:12] if one else k, v[:12] if one else v, cu, plan=dp),
-        "later_hkv": lambda: distca.core_attention(q, torch.randn(T, 4, 8) if one else k, torch.randn(T, 4, 8) if one else v, cu, plan=dp),
-        "later_dtype": lambda: distca.core_attention(*(x.half() if one else x for x in (q, k, v)), cu, plan=dp),
-        "later_mode": lambda: distca.core_attention(q, k, v, cu, plan=dp, mode="keep" if one else "resend"),
-        "later_cu": lambda: distca.core_attention(q, k, v, [0, 6, world * T] if one else cu, plan=dp),
-        "bad_mode": lambda: distca.core_attention(q, k, v, cu, plan=dp, mode="fast" if one else "resend"),
-        "later_none": lambda: distca.core_attention(None if one else q, k, v, None, plan=dp),
-    }.items():  # fmt: skip
+    def bad_later_calls(prefix, p):
+        """Calls on the agreed plan ``p`` that only the last rank gets wrong."""
+        return {
+            f"{prefix}_T": lambda: distca.core_attention(q[:12] if one else q, k[:12] if one else k, v[:12] if one else v, cu, plan=p),
+            f"{prefix}_hkv": lambda: distca.core_attention(q, torch.randn(T, 4, 8) if one else k, torch.randn(T, 4, 8) if one else v, cu, plan=p),
+            f"{prefix}_dtype": lambda: distca.core_attention(*(x.half() if one else x for x in (q, k, v)), cu, plan=p),
+            f"{prefix}_mode": lambda: distca.core_attention(q, k, v, cu, plan=p, mode="keep" if one else "resend"),
+            f"{prefix}_cu": lambda: distca.core_attention(q, k, v, [0, 6, world * T] if one else cu, plan=p),
+            f"{prefix}_bad_mode": lambda: distca.core_attention(q, k, v, cu, plan=p, mode="fast" if one else "resend"),
+        }  # fmt: skip
+
+    calls = {**bad_later_calls("later", dp), "later_none": lambda: distca.core_attention(None if one else q, k, v, None, plan=dp)}
+    for name, call in calls.items():
         expect(name, at_check(call))
     # With gradients: the rejected call's backward runs its exchanges on placeholders too.
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
@@ -177,13 +181,8 @@ def _errors_worker(rank, world):
     distca.core_attention(q, k, v, cu, plan=dpe)
     dpe_other = distca.prepare([0, 9, world * T], verify="every_call")
     for name, call in {
-        "every_T": lambda: distca.core_attention(q[:12] if one else q, k[:12] if one else k, v[:12] if one else v, cu, plan=dpe),
-        "every_hkv": lambda: distca.core_attention(q, torch.randn(T, 4, 8) if one else k, torch.randn(T, 4, 8) if one else v, cu, plan=dpe),
-        "every_dtype": lambda: distca.core_attention(*(x.half() if one else x for x in (q, k, v)), cu, plan=dpe),
-        "every_mode": lambda: distca.core_attention(q, k, v, cu, plan=dpe, mode="keep" if one else "resend"),
-        "every_cu": lambda: distca.core_attention(q, k, v, [0, 6, world * T] if one else cu, plan=dpe),
+        **bad_later_calls("every", dpe),
         "every_plan": lambda: distca.core_attention(q, k, v, None, plan=dpe_other if one else dpe),
-        "every_bad_mode": lambda: distca.core_attention(q, k, v, cu, plan=dpe, mode="fast" if one else "resend"),
         "every_compiled_heads": lambda: f(torch.randn(T, 2, 8) if one else q, k, v, dpe.handle),
     }.items():  # fmt: skip
         expect(name, call)
@@ -208,7 +207,7 @@ def _errors_worker(rank, world):
 def test_bad_input_raises_on_every_rank_without_hanging():
     world = 2
     res = run_workers(_errors_worker, world, timeout=120)
-    at_check = ("later_T", "later_hkv", "later_dtype", "later_mode", "later_cu", "bad_mode", "later_none",
+    at_check = ("later_T", "later_hkv", "later_dtype", "later_mode", "later_cu", "later_bad_mode", "later_none",
                 "later_T_backward", "later_plan", "compiled_heads")  # fmt: skip
     every = ("every_T", "every_hkv", "every_dtype", "every_mode", "every_cu", "every_plan", "every_bad_mode",
              "every_compiled_heads", "no_cu", "plan_type")  # fmt: skip
@@ -237,7 +236,7 @@ def test_bad_input_raises_on_every_rank_without_hanging():
         assert "dtype=torch.float16 (bound: torch.float32)" in res[r]["later_dtype"]
         assert "mode='keep' (bound: 'resend')" in res[r]["later_mode"]
         assert "cu_seqlens differ from the layout" in res[r]["later_cu"]
-        assert "mode must be 'resend' or 'keep', got 'fast'" in res[r]["bad_mode"]
+        assert "mode must be 'resend' or 'keep', got 'fast'" in res[r]["later_bad_mode"]
         assert "q, k and v must be torch.Tensors" in res[r]["later_none"]
         assert "Hq=2 (bound: 4)" in res[r]["compiled_heads"]
         assert "calls per plan differs across the ranks" in res[r]["later_plan"]

@@ -422,28 +422,37 @@ def test_compile_matches_eager_without_recompiles(compiled, two):
     assert m and int(m[1]) >= 1 and int(m[2]) == 0, log[-4000:]
 
 
+def _faulty_run(folder, env: dict[str, str], *args: str) -> tuple[str, float]:
+    """2 processes of ``tests/fault_train.py`` (every rank's lines prefixed ``[default<r>]:``) that
+    must fail; returns the log and the wall seconds."""
+    import time
+
+    cmd = [
+        PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--tee", "3", str(ROOT / "tests/fault_train.py"),
+        "--job.config_file", "train_configs/debug_cpu.toml", "--training.seq_len", str(_WINDOW // 2),
+        "--job.dump_folder", str(folder), *_COMMON, *args,
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", **env))  # fmt: skip
+    log = r.stdout + r.stderr
+    assert r.returncode != 0 and "Training completed" not in log, log[-4000:]
+    return log, time.monotonic() - t0
+
+
 @pytest.mark.slow
 def test_a_killed_rank_ends_every_rank_and_the_run_resumes_exactly(titan_dir, seed_ckpt, two):
     """Rank 1 is killed (SIGKILL) inside step 7's forward, while rank 0 is in the same step's CA
     exchanges: every rank exits with an error (torchrun stops the survivors; the process-group
     timeout, --comm.train_timeout_seconds, bounds any wait), and resuming from the last checkpoint
     (step 5: model, optimizer, lr, step, data loader) reproduces the uninterrupted run's steps 6-10."""
-    import time
-
     folder = titan_dir / "killed"
-    cmd = [
-        PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "tests/fault_train.py"),
-        "--job.config_file", "train_configs/debug_cpu.toml", "--training.seq_len", str(_WINDOW // 2),
-        "--job.dump_folder", str(folder), *_COMMON, "--checkpoint.enable", "--checkpoint.initial_load_path",
+    log, wall = _faulty_run(
+        folder, {"DISTCA_TEST_KILL_STEP": "7"}, "--checkpoint.enable", "--checkpoint.initial_load_path",
         str(seed_ckpt), "--checkpoint.interval", "5", "--comm.train_timeout_seconds", "60",
-    ]  # fmt: skip
-    t0 = time.monotonic()
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", DISTCA_TEST_KILL_STEP="7"))  # fmt: skip
-    log = r.stdout + r.stderr
-    assert r.returncode != 0 and "Training completed" not in log, log[-4000:]
+    )  # fmt: skip
     assert "Signals.SIGKILL" in log or "SIGKILL" in log, log[-4000:]
-    assert time.monotonic() - t0 < 200  # ended well before the subprocess timeout: nothing hung
+    assert wall < 200  # ended well before the subprocess timeout: nothing hung
     step5 = folder / "checkpoint/step-5"
     assert step5.is_dir(), sorted(p.name for p in (folder / "checkpoint").iterdir())
     resumed = titan_dir / "killed_resumed"
@@ -462,19 +471,10 @@ def test_a_rejected_call_on_one_rank_raises_on_every_rank_before_the_optimizer_s
     call of the step goes on; the step boundary (``distca.check``, before gradient clipping and
     the optimizer) raises the error on both ranks: steps 1 and 2 updated the parameters, step 3
     did not, and nothing waited for the process-group timeout."""
-    import time
-
-    cmd = [
-        PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--tee", "3", str(ROOT / "tests/fault_train.py"),
-        "--job.config_file", "train_configs/debug_cpu.toml", "--training.seq_len", str(_WINDOW // 2),
-        "--job.dump_folder", str(tmp_path), *_COMMON, "--training.steps", "4", "--comm.train_timeout_seconds", "120",
-    ]  # fmt: skip
-    t0 = time.monotonic()
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", DISTCA_TEST_BAD_CALL_STEP="3"))  # fmt: skip
-    log = r.stdout + r.stderr
-    assert r.returncode != 0 and "Training completed" not in log, log[-4000:]
-    assert time.monotonic() - t0 < 120, "ended by a timeout, not by the check"
+    log, wall = _faulty_run(
+        tmp_path, {"DISTCA_TEST_BAD_CALL_STEP": "3"}, "--training.steps", "4", "--comm.train_timeout_seconds", "120"
+    )
+    assert wall < 120, "ended by a timeout, not by the check"
     for rank in (0, 1):
         steps = [int(m) for m in re.findall(rf"\[default{rank}\]:optimizer step (\d+)", log)]
         assert steps == [1, 2], (rank, steps, log[-4000:])
