@@ -3,10 +3,11 @@
 Shape legend: T tokens per rank, Hq query heads, Hkv KV heads, D head dim,
 R ranks in the CA group, N documents.
 
-Plan once per step, run every layer with it::
+Plan once per step, run every layer with it, check once at the step's end::
 
     dp = distca.prepare(cu_seqlens, group=mesh)           # every rank, once per step
-    out = distca.core_attention(q, k, v, cu_seqlens, group=mesh, plan=dp)
+    out = distca.core_attention(q, k, v, None, group=mesh, plan=dp)
+    distca.check(dp)                                      # after the backward, before optimizer.step()
 
 The op is two ``torch.library`` custom ops (forward and backward) around one
 :class:`distca.exchange.Flight` each. Both return fresh tensors (``out`` and ``lse``, so
@@ -655,7 +656,7 @@ def _resolve_plan(plan, cu_seqlens, group) -> tuple[torch.Tensor, "DispatchPlan 
     if isinstance(plan, Plan) or plan is None:
         if plan is None and cu_seqlens is None:
             _reject(group, None, "cu_seqlens is required when plan is None")
-        # Its checks join this call's agreement: one agreement per call.
+        # A plan of this call alone: its checks join its first (and only) call's agreement.
         dp = prepare(plan if plan is not None else cu_seqlens, group, verify="first_use")
         return dp.handle, dp
     _reject(group, None, f"plan must be a DispatchPlan, its handle, a Plan or None, got {type(plan).__name__}", TypeError)

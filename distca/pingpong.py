@@ -30,8 +30,9 @@ the same order (collectives are matched by order). Eager only: the phases are
 Python-level schedule steps (``torch.compile`` runs them as graph breaks); compile the
 code between them instead. Selective activation checkpointing that saves the three ops
 (:data:`SAVEABLE_OPS`; torchtitan_ext adds them to torchtitan's op save list) runs no phase,
-and so no exchange, in the recompute. Exchange wait time (what the schedule failed to hide, on
-CPU) adds up in the plan's ``DispatchPlan.stats``.
+and so no exchange, in the recompute. Exchange wait time (what the schedule failed to hide:
+host seconds on CPU, compute-stream stall seconds from CUDA events on a GPU) adds up in the
+plan's ``DispatchPlan.stats``.
 
 Shape legend: T tokens per rank (of this nano-batch), Hq/Hkv heads, D head dim.
 """
