@@ -219,7 +219,8 @@ class StepPlan:
 
     @property
     def exchange_wait_seconds(self) -> float:
-        """Host time blocked in this micro-batch's CA exchange waits (what was not hidden, on CPU)."""
+        """Seconds this micro-batch waited for its CA exchanges (what was not hidden; CUDA events on a GPU,
+        read here, at the step end)."""
         return sum(p.stats.wait_s for p in self.plans)
 
 

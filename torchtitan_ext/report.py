@@ -47,7 +47,8 @@ class StepRecord:
     """Measured CA seconds on this rank (kernels and exchanges), None when not timed (compiled
     models, and ping-pong, whose phases interleave with the rest of the layer)."""
     exposed_comm_s: float | None = None
-    """With nano-batches: host seconds blocked in CA exchange waits (what ping-pong did not hide)."""
+    """With nano-batches: seconds the computation waited for CA exchanges (what ping-pong did not hide:
+    host seconds on CPU, compute-stream stall seconds from CUDA events on a GPU)."""
 
 
 @dataclass
