@@ -46,6 +46,7 @@ shared between layers but immutable configuration.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import types
@@ -354,7 +355,9 @@ class CAPlanner:
         t0 = time.perf_counter()
         # With the layers' shape known, each plan is agreed here (shape included) and no layer call
         # runs a collective of its own; before that (the first step), at its first layer call.
-        verify, spec = ("now", self.spec) if self.spec is not None else ("first_use", None)
+        verify, spec = "first_use", None
+        if self.spec is not None:  # the heads, head dim and dtype are the model's; the mode is the config's
+            verify, spec = "now", dataclasses.replace(self.spec, mode=self.cfg.mode)
         if planned.error is None:
             dps = tuple(
                 distca.prepare(p, self.mesh, dispatch=m, spec=spec, verify=verify)
