@@ -578,6 +578,41 @@ def test_ca_op_in_llama3_sac_save_list():
 # ---- capacity ---------------------------------------------------------------------------------
 
 
+def _bind_worker(rank, world):
+    """CAPlanner.bind before and after the trainer hands it the agreed call shape."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import distca
+    from torchtitan_ext.converter import CAPlanner
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ca_outer", "ca"))
+    pl = CAPlanner(cfg=CoreAttention(enable=True), mesh=mesh, degree=world, rank=rank)
+    q, k, v = (torch.randn(64, h, 8) for h in (4, 2, 2))
+    cu = [torch.tensor([0, 40, 128])]
+    first = pl.bind(pl.plan(cu)).plans[0]  # no shape yet: agreed at its first call
+    before = (first.verify, first.spec)
+    distca.core_attention(q, k, v, None, plan=first)
+    pl.spec = first.spec  # what the trainer does after the first step's check
+    seen = [before, (first.verify, first.spec)]
+    for mode in ("resend", "keep"):  # the config's mode may change between steps (bench_train does)
+        pl.cfg.mode = mode
+        dp = pl.bind(pl.plan(cu)).plans[0]  # agreed here, shape included: no collective in the call
+        distca.core_attention(q, k, v, None, plan=dp, mode=mode).sum()
+        distca.check(dp)  # raises if the call was rejected
+        seen.append((dp.verify, dp.spec))
+    return seen
+
+
+@pytest.mark.slow
+def test_bind_agrees_the_learned_call_shape_with_the_current_mode():
+    import distca
+
+    for seen in run_workers(_bind_worker, 2, timeout=60):
+        spec = distca.CallSpec(4, 2, 8, torch.float32, "resend")
+        assert seen == [("first_use", None), ("first_use", spec), ("now", spec),
+                        ("now", distca.CallSpec(4, 2, 8, torch.float32, "keep"))], seen  # fmt: skip
+
+
 def _capacity_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
