@@ -776,11 +776,11 @@ def core_attention(
             err = None
         except (ValueError, TypeError) as e:
             err = str(e)
-            if isinstance(plan, (DispatchPlan, torch.Tensor)):
-                dp = plan if isinstance(plan, DispatchPlan) else _lookup_or_reject(plan, group)
-                if _needs_agreement(dp):
-                    _reject(group if group is not None else mesh, plan, err, type(e))
-            else:
+            # Raised now on every rank unless the plan is agreed: then the call is carried.
+            dp = plan if isinstance(plan, DispatchPlan) else None
+            if isinstance(plan, torch.Tensor):
+                dp = _lookup_or_reject(plan, group)
+            if dp is None or _needs_agreement(dp):
                 _reject(group if group is not None else mesh, plan, err, type(e))
         local = [x.to_local() if isinstance(x, DTensor) else x for x in (q, k, v)]
         out = _core_attention(

@@ -148,9 +148,8 @@ def _serve_bwd(ctx, g):
 
 def _finish_setup(ctx, inputs, output) -> None:
     _keep_flight(ctx, inputs, output)
-    token, q, k, v, _ = inputs
+    _, q, k, v, _ = inputs
     ctx.save_for_backward(q, k, v, *output)  # home keeps what the backward re-sends
-    ctx.token_like = token
 
 
 def _finish_bwd(ctx, dout, _dlse):
