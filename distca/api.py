@@ -49,7 +49,7 @@ from distca.layout import Layout
 from distca.mesh import agree, resolve_group
 from distca.planner import Plan, Policy, plan as make_plan
 
-__all__ = ["CallSpec", "DispatchPlan", "prepare", "core_attention", "check", "CoreAttention"]
+__all__ = ["CallSpec", "DispatchPlan", "prepare", "core_attention", "check", "serve_idle", "CoreAttention"]
 
 logger = logging.getLogger("distca")
 
@@ -88,6 +88,8 @@ class _PlanState:
     """Calls this rank rejected locally (and ran with placeholder rows), raised at :func:`check`."""
     forward_calls: int = 0
     backward_calls: int = 0
+    local_docs: str | None = None
+    """This rank's document pieces, as a digest (:func:`_local_docs`): what a backward plan must share."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -434,22 +436,30 @@ def _placeholders(dp: DispatchPlan, device: torch.device, requires_grad: bool = 
     return tuple(x.requires_grad_(requires_grad) for x in (q, *kv))
 
 
-def _admit(dp: DispatchPlan, q, k, v, mode: object, err: str | None = None, requires_grad: bool = False) -> _Admitted:
+def _admit(
+    dp: DispatchPlan, q, k, v, mode: object, err: str | None = None, requires_grad: bool = False,
+    backward: DispatchPlan | None = None,
+) -> _Admitted:  # fmt: skip
     """Admit one forward call on ``dp``: agree if the plan needs it (raising on every rank on any
     error), else check locally. A call rejected locally is *carried*: its error is kept for
     :func:`check`, logged, and the exchange runs on zero placeholders of the bound shape
-    (``requires_grad`` as given), so the peers' collectives all find their partner."""
+    (``requires_grad`` as given), so the peers' collectives all find their partner.
+    ``backward``: the plan the call's backward runs on, if not ``dp`` (:func:`_backward_error`)."""
     st = dp._state
     if err is None:
         err = _call_error(dp, q, k, v, None, mode)
+    if err is None and backward is not None:
+        err = _backward_error(dp, backward, q, k, mode)
     if _needs_agreement(dp):
         _verify(dp, q, k, v, mode, err)
         if st.spec is None:
             st.spec = CallSpec.of(q, k, mode)
         st.agreed = True
         st.forward_calls += 1
+        _bind_backward(dp, backward)
         return _Admitted(q, k, v, mode, False)  # type: ignore[arg-type]
     st.forward_calls += 1
+    _bind_backward(dp, backward)
     if err is None:
         return _Admitted(q, k, v, mode, False)  # type: ignore[arg-type]
     if dp.group is None or dist.get_world_size(dp.group) == 1:
@@ -462,6 +472,53 @@ def _admit(dp: DispatchPlan, q, k, v, mode: object, err: str | None = None, requ
     st.errors.append(err)
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     return _Admitted(*_placeholders(dp, device, requires_grad), st.spec.mode, True)
+
+
+def _local_docs(dp: DispatchPlan) -> str:
+    """Digest of this rank's document pieces in ``dp``'s layout: per piece its row offset, in-document
+    start and end, its document's length (context included) and whether it is padding; with T and
+    the K/V rows. Two plans with the same digest give this rank's rows the same documents."""
+    st = dp._state
+    if st.local_docs is None:
+        lay, r = dp.plan.layout, dp.meta.rank
+        s = lay.segments
+        lo, hi = np.searchsorted(s.rank, [r, r + 1])
+        doc = s.doc[lo:hi]
+        full = (lay.doc_lens + lay.context_tokens)[doc]
+        rows = np.stack([s.offset[lo:hi], s.start[lo:hi], s.end[lo:hi], full, lay.is_padding[doc]], axis=1)
+        head = np.array([lay.tokens_per_rank, lay.kv_rows], dtype=np.int64)
+        st.local_docs = hashlib.blake2b(head.tobytes() + rows.astype(np.int64).tobytes(), digest_size=16).hexdigest()
+    return st.local_docs
+
+
+def _backward_error(dp: DispatchPlan, bdp: DispatchPlan, q, k, mode: object) -> str | None:
+    """Why ``bdp`` cannot run the backward of a call on ``dp`` on this rank (local), or None.
+
+    The backward re-sends what the home saved (``"resend"``), so any plan works whose layout gives
+    this rank's rows the same documents: same T, K/V rows and rank-local document pieces. Its
+    bound call shape, if any, must be the call's."""
+    if bdp is dp:
+        return None
+    if _local_docs(bdp) != _local_docs(dp):
+        lf, lb = dp.plan.layout, bdp.plan.layout
+        r = dp.meta.rank
+        return (
+            f"backward_plan gives this rank (CA rank {r}) other documents than the forward plan: forward "
+            f"pieces (doc, start, end) {lf.rank_segments(r)[:4]}, backward {lb.rank_segments(r)[:4]} (T "
+            f"{lf.tokens_per_rank} / {lb.tokens_per_rank}, K/V rows {lf.kv_rows} / {lb.kv_rows}); a backward plan "
+            "must hold this rank's rows as the same documents at the same positions"
+        )
+    want, got = bdp._state.spec, CallSpec.of(q, k, mode)
+    if want is not None and got is not None and want != got:
+        return f"backward_plan is bound to calls of shape {want}, this call is {got}"
+    return None
+
+
+def _bind_backward(dp: DispatchPlan, bdp: DispatchPlan | None) -> None:
+    """A backward plan not yet bound to a call shape takes the forward's (agreed) one: a carried
+    call's backward runs on placeholders of it."""
+    if bdp is not None and bdp is not dp and bdp._state.spec is None:
+        bdp._state.spec = dp._state.spec
 
 
 def _carried_output(q: object, out: torch.Tensor) -> torch.Tensor:
@@ -494,6 +551,7 @@ def _core_attention_fwd(
     k: torch.Tensor,  # [kv_rows, Hkv, D]
     v: torch.Tensor,  # [kv_rows, Hkv, D]
     handle: torch.Tensor,
+    backward_handle: torch.Tensor | None,
     softmax_scale: float,
     ca_mode: str,
     kernel_backend: str,
@@ -508,10 +566,12 @@ def _core_attention_fwd(
     is never dropped or reordered by Inductor, a functional one may be. ``for_backward`` (keep
     mode): stash the server tensors for a backward; False under ``no_grad``. The call is
     admitted here (:func:`_admit`), in eager and compiled code alike; ``caller_error`` is what
-    the eager wrapper found (cu_seqlens, DTensor placements), "" for none.
+    the eager wrapper found (cu_seqlens, DTensor placements), "" for none. ``backward_handle``:
+    the plan the backward runs on when it is not this one (checked here against it).
     """
     dp = _lookup(handle)
-    a = _admit(dp, q, k, v, ca_mode, caller_error or None)
+    bdp = _lookup(backward_handle) if backward_handle is not None else None
+    a = _admit(dp, q, k, v, ca_mode, caller_error or None, backward=bdp)
     f = dp.flight(a.q.device, softmax_scale, a.mode, kernel_backend)
     f.dispatch(a.q, a.k, a.v)
     f.serve()
@@ -528,7 +588,7 @@ def _core_attention_fwd(
 
 
 @_core_attention_fwd.register_fake
-def _(state, q, k, v, handle, softmax_scale, ca_mode, kernel_backend, for_backward, caller_error):
+def _(state, q, k, v, handle, backward_handle, softmax_scale, ca_mode, kernel_backend, for_backward, caller_error):
     T, hq, d = q.shape
     return q.new_empty((T, hq, d)), q.new_empty((hq, T), dtype=torch.float32)
 
@@ -549,7 +609,8 @@ def _core_attention_bwd(
     kernel_backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns fresh ``dq`` [T, Hq, D], ``dk``, ``dv`` [kv_rows, Hkv, D], row-major (zeros for a
-    carried call, whose backward exchange runs on placeholders like its forward's)."""
+    carried call, whose backward exchange runs on placeholders like its forward's). ``handle`` is
+    the plan the backward runs on: the forward's, or its ``backward_plan``."""
     dp = _lookup(handle)
     sid, carried = int(state[0]), bool(state[1])
     mode = dp._state.spec.mode if carried else ca_mode
@@ -584,13 +645,14 @@ def _(token, dout, q, k, v, out, lse, state, handle, softmax_scale, ca_mode, ker
 
 class _CoreAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, handle, owner, softmax_scale, mode, backend, for_backward, caller_error):
+    def forward(ctx, q, k, v, handle, backward_handle, owners, softmax_scale, mode, backend, for_backward, caller_error):
         state = torch.zeros(2, dtype=torch.int64)
         out, lse = torch.ops.distca.core_attention_fwd(
-            state, q, k, v, handle, softmax_scale, mode, backend, for_backward, caller_error
+            state, q, k, v, handle, backward_handle, softmax_scale, mode, backend, for_backward, caller_error
         )
-        ctx.save_for_backward(q, k, v, out, lse, state, handle)
-        ctx.owner = owner  # eager: a plan made inside core_attention lives until this backward
+        # The backward runs on its own plan when one was given (the op checked it against this one).
+        ctx.save_for_backward(q, k, v, out, lse, state, handle if backward_handle is None else backward_handle)
+        ctx.owners = owners  # eager: a plan made inside core_attention lives until this backward
         ctx.cfg = (softmax_scale, mode, backend)
         return out
 
@@ -601,7 +663,7 @@ class _CoreAttentionFn(torch.autograd.Function):
         dq, dk, dv = torch.ops.distca.core_attention_bwd(
             token, dout.contiguous(), q, k, v, out, lse, state, handle, *ctx.cfg
         )
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, *(None,) * 8
 
 
 # ---- public API -----------------------------------------------------------------------------
@@ -729,6 +791,7 @@ def core_attention(
     softmax_scale: float | None = None,
     mode: Mode = "resend",
     backend: str | None = None,
+    backward_plan: DispatchPlan | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal document attention over the CA group's token stream, on planned servers.
 
@@ -744,6 +807,13 @@ def core_attention(
         mode: ``"resend"`` (servers keep nothing; backward re-sends Q, O, dO, LSE, K, V)
             or ``"keep"`` (servers keep what they received until backward).
         backend: kernel backend override (see :func:`distca.kernels.select_backend`).
+        backward_plan: a :class:`DispatchPlan` (or its handle) for this call's backward, when the
+            backward runs in another grouping of the ranks than the forward (a pipeline's backward
+            tick pairs other micro-batches than its forward tick). ``mode="resend"`` only: the home
+            re-sends everything the servers need. The plan must be prepared with
+            ``verify="now"`` and give this rank's rows the same documents (T, K/V rows, and the
+            rank's document pieces); otherwise the call is rejected like any bad input. None:
+            the backward runs on ``plan``.
 
     Returns:
         [T, Hq, D]: rows [r*T, (r+1)*T) of ``flash_attn_varlen_func(q_all, k_all,
@@ -785,29 +855,36 @@ def core_attention(
         local = [x.to_local() if isinstance(x, DTensor) else x for x in (q, k, v)]
         out = _core_attention(
             *local, cu_seqlens, group=group if group is not None else mesh, plan=plan,
-            softmax_scale=softmax_scale, mode=mode, backend=backend, error=err,
+            softmax_scale=softmax_scale, mode=mode, backend=backend, error=err, backward_plan=backward_plan,
         )  # fmt: skip
         return DTensor.from_local(out, mesh, placements, run_check=False)
     return _core_attention(
-        q, k, v, cu_seqlens, group=group, plan=plan, softmax_scale=softmax_scale, mode=mode, backend=backend
-    )
+        q, k, v, cu_seqlens, group=group, plan=plan, softmax_scale=softmax_scale, mode=mode, backend=backend,
+        backward_plan=backward_plan,
+    )  # fmt: skip
 
 
-def _core_attention(q, k, v, cu_seqlens, *, group, plan, softmax_scale, mode, backend, error=None) -> torch.Tensor:
+def _core_attention(
+    q, k, v, cu_seqlens, *, group, plan, softmax_scale, mode, backend, error=None, backward_plan=None
+) -> torch.Tensor:  # fmt: skip
     if isinstance(q, torch.Tensor):  # otherwise the call is rejected below
         if softmax_scale is None:
             softmax_scale = q.shape[-1] ** -0.5
         if backend is None:
             backend = kernels.select_backend(q.device)
     handle, owner = _resolve_plan(plan, cu_seqlens, group)
+    bhandle, bowner = _resolve_backward_plan(backward_plan, handle, owner, group, mode)
+    owners = (owner, bowner)
     # keep mode stashes server tensors only for a forward that a backward will consume.
     for_backward = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v))
     if torch.compiler.is_compiling():  # the op's body (eager) admits the call
-        return _CoreAttentionFn.apply(q, k, v, handle, owner, softmax_scale, mode, backend, for_backward, "")
+        return _CoreAttentionFn.apply(q, k, v, handle, bhandle, owners, softmax_scale, mode, backend, for_backward, "")
     dp = owner if owner is not None else _lookup_or_reject(handle, group)
     err = error or (_call_error(dp, q, k, v, cu_seqlens, mode) if cu_seqlens is not None else None)
     if _op_ready(q, k, v):
-        return _CoreAttentionFn.apply(q, k, v, handle, owner, softmax_scale, mode, backend, for_backward, err or "")
+        return _CoreAttentionFn.apply(
+            q, k, v, handle, bhandle, owners, softmax_scale, mode, backend, for_backward, err or ""
+        )  # fmt: skip
     # Not tensors the op can take: agree (raising everywhere), or carry the call on placeholders.
     err = err or _call_error(dp, q, k, v, None, mode)
     if _needs_agreement(dp):
@@ -815,9 +892,112 @@ def _core_attention(q, k, v, cu_seqlens, *, group, plan, softmax_scale, mode, ba
     ph = _placeholders(dp, torch.device("cpu"), for_backward)  # a backward iff the caller's inputs ask for one
     s = dp._state.spec
     out = _CoreAttentionFn.apply(
-        *ph, handle, owner, s.head_dim**-0.5, s.mode, kernels.select_backend(ph[0].device), ph[0].requires_grad, err
-    )
+        *ph, handle, bhandle, owners, s.head_dim**-0.5, s.mode, kernels.select_backend(ph[0].device),
+        ph[0].requires_grad, err,
+    )  # fmt: skip
     return _carried_output(q, out)
+
+
+def _resolve_backward_plan(
+    backward_plan, handle, owner, group, mode
+) -> tuple[torch.Tensor | None, "DispatchPlan | None"]:  # fmt: skip
+    """(handle, owner) of ``backward_plan`` (None: the forward's plan). What is checked here is the
+    same on every rank running the same code (a type, the group, how the plan was prepared), so it
+    raises at once; what depends on this rank's data is checked by the op (:func:`_backward_error`)."""
+    if backward_plan is None:
+        return None, None
+    if isinstance(backward_plan, torch.Tensor):
+        bdp, bowner = _lookup_or_reject(backward_plan, group), None
+    elif isinstance(backward_plan, DispatchPlan):
+        bdp = bowner = backward_plan
+    else:
+        raise TypeError(f"backward_plan must be a DispatchPlan, its handle or None, got {type(backward_plan).__name__}")
+    dp = owner if owner is not None else _LIVE.get(int(handle.reshape(-1)[0]))
+    if dp is not None and bdp is dp:
+        return None, None
+    if mode == "keep":
+        raise ValueError(
+            'core_attention mode="keep" runs the backward on the servers that kept the forward\'s tensors, so '
+            'backward_plan must be the forward\'s plan or None; use mode="resend" with a separate backward plan'
+        )
+    if dp is not None and bdp.group is not dp.group:
+        raise ValueError("backward_plan must belong to the forward plan's CA group")
+    if bdp.verify == "first_use" and not bdp._state.agreed:
+        raise ValueError(
+            'backward_plan must be agreed when prepared (distca.prepare(..., verify="now"), the default): '
+            'a plan prepared with verify="first_use" is agreed at its first forward call, and a backward plan has none'
+        )
+    return bdp.handle, bowner
+
+
+def serve_idle(
+    plans: DispatchPlan | Sequence[DispatchPlan],
+    *,
+    device: torch.device | str,
+    backward: bool = False,
+    softmax_scale: float | None = None,
+    backend: str | None = None,
+) -> None:
+    """Serve one layer's core attention on ``plans`` from a rank with nothing of its own to compute.
+
+    For a rank whose rows are all padding in every plan (:attr:`Layout.padding`), such as an idle
+    pipeline stage in warm-up or drain: it runs the exchanges its peers' calls run, in their order,
+    and the tasks the plans give it, without an autograd graph. One plan: what one
+    :func:`core_attention` call runs (with ``backward``, that call's backward). Two plans: what
+    :mod:`distca.pingpong` runs for two nano-batches whose flights form one chain (``start(...,
+    after=f0)``): starts, serves and finishes in plan order, the backward in exactly the reverse.
+    Each counts as one call on each plan for :func:`check`. ``softmax_scale`` and ``backend`` must
+    be the peers' (default 1/sqrt(D), the device's backend).
+
+    The plans must be agreed with their call shape (``prepare(..., spec=...)``) and run in
+    ``"resend"`` mode (a server keeps nothing between forward and backward); these are checked
+    here and raise at once (they are the same on every rank running the same code).
+
+    Example (an idle pipeline stage in tick ``t``)::
+
+        for _ in range(layers):
+            distca.serve_idle(forward_plan[t], device=device)                  # forward sub-tick
+        for _ in range(layers):
+            distca.serve_idle(backward_plan[t], device=device, backward=True)  # backward sub-tick
+    """
+    plans = (plans,) if isinstance(plans, DispatchPlan) else tuple(plans)
+    device = torch.device(device)
+    for dp in plans:
+        if not isinstance(dp, DispatchPlan):
+            raise TypeError(f"plans must be DispatchPlans, got {type(dp).__name__}")
+        if dp.spec is None:
+            raise ValueError(
+                "serve_idle needs plans agreed with their call shape: distca.prepare(..., spec=distca.CallSpec(...))"
+            )
+        if dp.spec.mode != "resend":
+            raise ValueError(f'serve_idle runs mode="resend" calls only (a server keeps nothing), got mode={dp.spec.mode!r}')
+        if dp.meta.padding_rows != dp.plan.layout.tokens_per_rank:
+            raise ValueError(
+                f"serve_idle is for a rank whose rows are all padding; CA rank {dp.meta.rank} holds "
+                f"{dp.plan.layout.tokens_per_rank - dp.meta.padding_rows} rows of real documents in this plan"
+            )
+    be = kernels.select_backend(device, backend)
+    flights = []
+    for dp in plans:
+        s = dp._state.spec
+        flights.append((dp, dp.flight(device, s.head_dim**-0.5 if softmax_scale is None else softmax_scale, "resend", be), _placeholders(dp, device)))
+    if not backward:
+        for _, f, (q, k, v) in flights:
+            f.dispatch(q, k, v)
+        for _, f, _ in flights:
+            f.serve()
+        for dp, f, _ in flights:
+            f.land()
+            dp._state.forward_calls += 1
+        return
+    for _, f, (q, k, v) in reversed(flights):
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=device)
+        f.dispatch_bwd(q, q, k, v, q, lse)  # all zeros: padding rows are never sent
+    for _, f, _ in reversed(flights):
+        f.serve_bwd()
+    for dp, f, _ in reversed(flights):
+        f.land_bwd()
+        dp._state.backward_calls += 1
 
 
 class CoreAttention(nn.Module):

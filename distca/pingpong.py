@@ -46,7 +46,9 @@ from dataclasses import dataclass
 import torch
 
 from distca import kernels
-from distca.api import DispatchPlan, _admit, _carried_output, _lookup_or_reject, _owned_dense, _reject
+from distca.api import (
+    DispatchPlan, _admit, _carried_output, _lookup_or_reject, _owned_dense, _reject, _resolve_backward_plan,
+)  # fmt: skip
 from distca.cost import Mode
 from distca.exchange import Flight as _Exchange
 
@@ -61,9 +63,12 @@ class Flight:
     exchange: _Exchange
     plan: DispatchPlan
     """Kept alive until the flight's backward is done."""
+    exchange_bwd: _Exchange | None = None
+    """The backward's exchange when it runs on its own plan (``backward_plan``), else None."""
+    backward_plan: DispatchPlan | None = None
     phase: str = "started"
-    token: torch.Tensor | None = None
-    """Autograd link from the last phase to the next (an empty tensor)."""
+    chain: "_Chain | None" = None
+    """The autograd link from the last phase run (of this flight or of one it was started after) to the next."""
     inputs: tuple = ()
     key: int = 0
     """The key under which the phases' ops find this flight."""
@@ -73,6 +78,20 @@ class Flight:
     @property
     def meta(self):
         return self.exchange.meta
+
+    @property
+    def bwd(self) -> _Exchange:
+        """The exchange the backward phases run."""
+        return self.exchange_bwd if self.exchange_bwd is not None else self.exchange
+
+
+@dataclass(eq=False)
+class _Chain:
+    """The token (an empty tensor) of the last phase run by any flight of one chain. Every phase
+    takes it and gives the next, so the backward runs the chain's phases in exactly the reverse of
+    the order they ran: the same on every rank, and replayable without a graph (``distca.serve_idle``)."""
+
+    token: torch.Tensor
 
 
 # ---- the phases as ops: one autograd node each, whose backward is the mirrored phase ----------
@@ -93,42 +112,43 @@ def _flight(key: int) -> "Flight":
 
 
 @torch.library.custom_op("distca::pingpong_start", mutates_args=())
-def _start_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: int) -> torch.Tensor:
-    """Home: send the exchanged rows; returns the phase token (an empty tensor)."""
+def _start_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prev: torch.Tensor, key: int) -> torch.Tensor:
+    """Home: send the exchanged rows; returns the phase token (an empty tensor). ``prev``: the
+    chain's last token (orders the backward)."""
     _flight(key).exchange.dispatch(q, k, v)
     return q.new_empty(0)
 
 
 @torch.library.custom_op("distca::pingpong_serve", mutates_args=())
-def _serve_op(token: torch.Tensor, key: int) -> torch.Tensor:
+def _serve_op(prev: torch.Tensor, key: int) -> torch.Tensor:
     """Server: in-place tasks, received tasks, start returning O and LSE; returns the next token."""
     _flight(key).exchange.serve()
-    return token.new_empty(0)
+    return prev.new_empty(0)
 
 
 @torch.library.custom_op("distca::pingpong_finish", mutates_args=())
 def _finish_op(
-    token: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Home: wait for the returned rows; fresh ``out`` [T, Hq, D] and ``lse`` [Hq, T] fp32."""
+    prev: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Home: wait for the returned rows; fresh ``out`` [T, Hq, D], ``lse`` [Hq, T] fp32 and the next token."""
     out, lse = _flight(key).exchange.land()
-    return _owned_dense(out), _owned_dense(lse)
+    return _owned_dense(out), _owned_dense(lse), prev.new_empty(0)
 
 
 @_start_op.register_fake
-def _(q, k, v, key):
+def _(q, k, v, prev, key):
     return q.new_empty(0)
 
 
 @_serve_op.register_fake
-def _(token, key):
-    return token.new_empty(0)
+def _(prev, key):
+    return prev.new_empty(0)
 
 
 @_finish_op.register_fake
-def _(token, q, k, v, key):
+def _(prev, q, k, v, key):
     T, hq, d = q.shape
-    return q.new_empty((T, hq, d)), q.new_empty((hq, T), dtype=torch.float32)
+    return q.new_empty((T, hq, d)), q.new_empty((hq, T), dtype=torch.float32), prev.new_empty(0)
 
 
 def _keep_flight(ctx, inputs, output) -> None:
@@ -136,25 +156,26 @@ def _keep_flight(ctx, inputs, output) -> None:
 
 
 def _start_bwd(ctx, _token_grad):
-    dq, dk, dv = ctx.flight.exchange.land_bwd()
-    return dq, dk, dv, None
+    dq, dk, dv = ctx.flight.bwd.land_bwd()
+    return dq, dk, dv, dq.new_zeros(0), None
 
 
 def _serve_bwd(ctx, g):
-    ctx.flight.exchange.serve_bwd()
-    ctx.flight.plan._state.backward_calls += 1
+    f = ctx.flight
+    f.bwd.serve_bwd()
+    (f.backward_plan or f.plan)._state.backward_calls += 1
     return g.new_zeros(0), None
 
 
 def _finish_setup(ctx, inputs, output) -> None:
     _keep_flight(ctx, inputs, output)
     _, q, k, v, _ = inputs
-    ctx.save_for_backward(q, k, v, *output)  # home keeps what the backward re-sends
+    ctx.save_for_backward(q, k, v, *output[:2])  # home keeps what the backward re-sends
 
 
-def _finish_bwd(ctx, dout, _dlse):
+def _finish_bwd(ctx, dout, _dlse, _dtoken):
     q, k, v, out, lse = ctx.saved_tensors
-    ctx.flight.exchange.dispatch_bwd(dout.contiguous(), q, k, v, out, lse)
+    ctx.flight.bwd.dispatch_bwd(dout.contiguous(), q, k, v, out, lse)
     return dout.new_zeros(0), None, None, None, None
 
 
@@ -179,29 +200,43 @@ def start(
     softmax_scale: float | None = None,
     mode: Mode = "resend",
     backend: str | None = None,
+    backward_plan: DispatchPlan | None = None,
+    after: Flight | None = None,
 ) -> Flight:
     """Start one nano-batch's core attention: validate, then send Q/K/V rows to their servers.
 
     Args as :func:`distca.core_attention` (q [T, Hq, D], k, v [T, Hkv, D]; ``plan`` from
-    :func:`distca.prepare` for this nano-batch). Returns the :class:`Flight` to pass to
-    :func:`serve` and then :func:`finish`. Checked as :func:`distca.core_attention` is: the
-    plan's first call agrees (raising ``ValueError`` on every rank on bad input), later ones
-    locally, with their errors raised on every rank by :func:`distca.check`; no host read
-    and no collective besides the exchange's own.
+    :func:`distca.prepare` for this nano-batch; ``backward_plan`` as there). Returns the
+    :class:`Flight` to pass to :func:`serve` and then :func:`finish`. Checked as
+    :func:`distca.core_attention` is: the plan's first call agrees (raising ``ValueError`` on
+    every rank on bad input), later ones locally, with their errors raised on every rank by
+    :func:`distca.check`; no host read and no collective besides the exchange's own.
+
+    ``after``: a flight of the same layer started earlier. The two flights' phases then form one
+    chain: the backward runs them in exactly the reverse of the order they were called (without
+    ``after`` each flight's own phases are ordered, the two flights' by autograd), which is what
+    lets a rank with nothing to compute replay them (:func:`distca.serve_idle`).
     """
     if isinstance(plan, torch.Tensor):
         plan = _lookup_or_reject(plan, None)
     if not isinstance(plan, DispatchPlan):
         msg = f"plan must be a DispatchPlan from distca.prepare (or its handle), got {type(plan).__name__}"
         _reject(None, None, msg, TypeError)
+    if after is not None and not isinstance(after, Flight):
+        raise TypeError(f"after must be a distca.pingpong.Flight or None, got {type(after).__name__}")
+    _, bdp = _resolve_backward_plan(backward_plan, plan.handle, plan, None, mode)
     grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v))
-    a = _admit(plan, q, k, v, mode, requires_grad=grad)
+    a = _admit(plan, q, k, v, mode, requires_grad=grad, backward=bdp)
     scale = a.q.shape[-1] ** -0.5 if softmax_scale is None or a.carried else softmax_scale
     dev = a.q.device
-    flight = Flight(plan.flight(dev, scale, a.mode, kernels.select_backend(dev, backend)), plan)
+    be = kernels.select_backend(dev, backend)
+    flight = Flight(plan.flight(dev, scale, a.mode, be), plan)
+    if bdp is not None:
+        flight.exchange_bwd, flight.backward_plan = bdp.flight(dev, scale, a.mode, be), bdp
     flight.key = next(_FLIGHT_IDS)
     _FLIGHTS[flight.key] = flight
-    flight.token = _start_op(a.q, a.k, a.v, flight.key)
+    flight.chain = after.chain if after is not None else _Chain(a.q.new_empty(0))
+    flight.chain.token = _start_op(a.q, a.k, a.v, flight.chain.token, flight.key)
     flight.inputs = (a.q, a.k, a.v)  # until finish() hands them to autograd
     flight.caller_q = q if a.carried else None
     return flight
@@ -220,15 +255,15 @@ def serve(flight: Flight) -> None:
     """Server side: run this nano-batch's in-place tasks, wait for its rows, run the
     received tasks, start sending O and LSE home."""
     _advance(flight, "started", "served")
-    flight.token = _serve_op(flight.token, flight.key)
+    flight.chain.token = _serve_op(flight.chain.token, flight.key)
 
 
 @torch._dynamo.disable
 def finish(flight: Flight) -> torch.Tensor:
     """Wait for the outputs; returns [T, Hq, D], equal to :func:`distca.core_attention`'s."""
     _advance(flight, "served", "finished")
-    out, _ = _finish_op(flight.token, *flight.inputs, flight.key)
-    flight.token, flight.inputs = None, ()
+    out, _, flight.chain.token = _finish_op(flight.chain.token, *flight.inputs, flight.key)
+    flight.inputs = ()
     if flight.caller_q is not None:  # a carried call: zeros, its exchanges ran on placeholders
         out, flight.caller_q = _carried_output(flight.caller_q, out), None
     return out

@@ -379,7 +379,7 @@ def _opcheck_worker(rank, world):
         g = torch.Generator().manual_seed(T)
         q, k, v = (torch.randn(T, h, 8, generator=g) for h in (hq, hkv, hkv))
         state = torch.zeros(2, dtype=torch.int64)  # (keep-mode stash id, carried)
-        args = (state, q, k, v, dp.handle, 0.3, mode, "cpu", True, "")
+        args = (state, q, k, v, dp.handle, None, 0.3, mode, "cpu", True, "")
         torch.library.opcheck(torch.ops.distca.core_attention_fwd.default, args)  # raises on a bad fake/schema
         out, lse = torch.ops.distca.core_attention_fwd(*args)
         # The real strides are the fake's (row-major), and the outputs share no storage.
@@ -522,6 +522,6 @@ def test_padding_in_one_process():
             dp = api.DispatchPlan(p, meta, None, torch.tensor([next(api._IDS)]), digest=1)
             api._LIVE[int(dp.handle)] = dp
             ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
-            out = api._CoreAttentionFn.apply(ql, kl, vl, dp.handle, dp, d**-0.5, mode, kernels.select_backend("cpu"), True, "")
+            out = api._CoreAttentionFn.apply(ql, kl, vl, dp.handle, None, (dp, None), d**-0.5, mode, kernels.select_backend("cpu"), True, "")
             (out * dout).sum().backward()
             _check_padded((out.detach(), ql.grad, kl.grad, vl.grad), ref, torch.from_numpy(lay.padding_mask(0)), 1e-5, f"{cu}, {mode}")
