@@ -935,6 +935,7 @@ def serve_idle(
     *,
     device: torch.device | str,
     backward: bool = False,
+    interleave: bool = True,
     softmax_scale: float | None = None,
     backend: str | None = None,
 ) -> None:
@@ -945,7 +946,9 @@ def serve_idle(
     and the tasks the plans give it, without an autograd graph. One plan: what one
     :func:`core_attention` call runs (with ``backward``, that call's backward). Two plans: what
     :mod:`distca.pingpong` runs for two nano-batches whose flights form one chain (``start(...,
-    after=f0)``): starts, serves and finishes in plan order, the backward in exactly the reverse.
+    after=f0)``): starts, serves and finishes in plan order, the backward in exactly the reverse
+    (``interleave=False``: each plan's start, serve and finish before the next plan's, as a chain
+    run one nano-batch after the other does).
     Each counts as one call on each plan for :func:`check`. ``softmax_scale`` and ``backend`` must
     be the peers' (default 1/sqrt(D), the device's backend).
 
@@ -981,23 +984,26 @@ def serve_idle(
     for dp in plans:
         s = dp._state.spec
         flights.append((dp, dp.flight(device, s.head_dim**-0.5 if softmax_scale is None else softmax_scale, "resend", be), _placeholders(dp, device)))
+    groups = [flights] if interleave else [[f] for f in flights]
     if not backward:
-        for _, f, (q, k, v) in flights:
-            f.dispatch(q, k, v)
-        for _, f, _ in flights:
-            f.serve()
-        for dp, f, _ in flights:
-            f.land()
-            dp._state.forward_calls += 1
+        for group in groups:
+            for _, f, (q, k, v) in group:
+                f.dispatch(q, k, v)
+            for _, f, _ in group:
+                f.serve()
+            for dp, f, _ in group:
+                f.land()
+                dp._state.forward_calls += 1
         return
-    for _, f, (q, k, v) in reversed(flights):
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=device)
-        f.dispatch_bwd(q, q, k, v, q, lse)  # all zeros: padding rows are never sent
-    for _, f, _ in reversed(flights):
-        f.serve_bwd()
-    for dp, f, _ in reversed(flights):
-        f.land_bwd()
-        dp._state.backward_calls += 1
+    for group in reversed(groups):
+        for _, f, (q, k, v) in reversed(group):
+            lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=device)
+            f.dispatch_bwd(q, q, k, v, q, lse)  # all zeros: padding rows are never sent
+        for _, f, _ in reversed(group):
+            f.serve_bwd()
+        for dp, f, _ in reversed(group):
+            f.land_bwd()
+            dp._state.backward_calls += 1
 
 
 class CoreAttention(nn.Module):

@@ -5,18 +5,24 @@ document-length skew differs: in batch ``b`` micro-batch ``m`` is one whole-row 
 ``m + b`` is even, else 256-token documents. So in every tick one stage holds a long document
 and the other short ones. One ``torchrun`` per configuration, all on the same batches:
 
-    off          torch's GPipe; each stage attends to its own documents (colocated plans, nothing sent)
-    distca       TickGPipe, one CA group across both stages, our planner per tick
-    per_doc_cp   TickGPipe, one CA group across both stages, per-document head-tail CP per tick
+    off                    torch's GPipe; each stage attends to its own documents (colocated plans, nothing sent)
+    distca                 TickGPipe, one CA group across both stages, our planner per tick
+    per_doc_cp             TickGPipe, one CA group across both stages, per-document head-tail CP per tick
+    distca_1f1b            Tick1F1B (the paper's schedule), separate forward and backward sub-tick plans
+    distca_1f1b_pingpong   Tick1F1B with ping-pong: two nano-batches per micro-batch, each planned per sub-tick
 
-Per step and rank it records the step time and, per forward/backward micro-batch (or idle
-tick), the stage's compute time and its attention-kernel time. Reported: tokens/s
-min/median/max over steps; per tick the max/mean across stages of compute time (active stages)
-and of attention time (all stages: an idle stage serves in CAD); the schedule's bubble fraction
-and the measured idle fraction; and a zero-overhead bound computed like ``bench_train``'s: off's
-step with every tick's attention spread evenly over both stages.
+Per step and rank it records the step time and, per sub-tick (a micro-batch's forward or
+backward, or an idle sub-tick's serving), the stage's compute time, its attention-kernel time and
+the time it waited for exchanges; and the live bytes autograd saved for backward (peak per step:
+the activation memory the schedule keeps). Reported: tokens/s min/median/max over steps; per
+sub-tick the max/mean across stages of compute time (active stages) and of attention time (all
+stages: an idle stage serves in CAD); the peak activation memory per stage; the measured idle
+fraction; a zero-overhead bound computed like ``bench_train``'s (off's step with every tick's
+attention spread evenly over both stages); and where the bound's gain went, per configuration
+and step (seconds of the slowest rank): exposed exchange (waits), attention-kernel inflation
+over ``off``'s, exposed planning, and the rest (bubbles, P2P, the host's contention).
 
-    python scripts/bench_pipeline.py                 # table, ~6 min on 2 cores
+    python scripts/bench_pipeline.py                 # table, ~6 min on 2 cores at T 4096
     python scripts/bench_pipeline.py --json
 """
 
@@ -38,6 +44,8 @@ CONFIGS = {
     "off": dict(schedule="GPipe", across=False, policy="colocated"),
     "distca": dict(schedule="TickGPipe", across=True, policy="distca"),
     "per_doc_cp": dict(schedule="TickGPipe", across=True, policy="per_doc_cp"),
+    "distca_1f1b": dict(schedule="Tick1F1B", across=True, policy="distca"),
+    "distca_1f1b_pingpong": dict(schedule="Tick1F1B", across=True, policy="distca", pingpong=True),
 }
 SHORT_DOC = 256
 STAGES = 2
@@ -70,9 +78,15 @@ def _worker(a: argparse.Namespace) -> None:
 
     rank = int(os.environ["RANK"])
 
+    from distca import Layout, split_nano_batches
+    from distca.exchange import ExchangeStats
+
     class Workload(IterableDataset):
-        def __init__(self, T, M):
-            self.T, self.M = T, M
+        """Each micro-batch one row; with two nano-batches its halves are two layouts (the second
+        continues the first's document, as the CA loader lays them out for one rank)."""
+
+        def __init__(self, T, M, nano):
+            self.T, self.M, self.nano = T, M, nano
 
         def __iter__(self):
             b = 0
@@ -83,7 +97,14 @@ def _worker(a: argparse.Namespace) -> None:
                 for m in range(self.M):
                     docs = micro_docs(m, b, self.T)
                     cu = np.concatenate([[0], np.cumsum(docs)]).tolist()
-                    item["cu_seqlens" if m == 0 else f"cu_seqlens_{m}"] = torch.tensor(cu)
+                    lays = [Layout(tuple(cu), 1, self.T)]
+                    if self.nano == 2:
+                        lays = list(split_nano_batches(lays[0], "stream"))
+                    for j, lay in enumerate(lays):
+                        i = m * self.nano + j
+                        item["cu_seqlens" if i == 0 else f"cu_seqlens_{i}"] = torch.tensor(lay.cu_seqlens)
+                        if j:
+                            item[f"context_{i}"] = torch.tensor(lay.context, dtype=torch.int64).reshape(-1, 3)
                     pos.append(torch.cat([torch.arange(n) for n in docs]))
                     lab = torch.roll(toks[m], -1)
                     lab[torch.tensor(cu[1:]) - 1] = -100
@@ -93,15 +114,41 @@ def _worker(a: argparse.Namespace) -> None:
                 b += 1
 
     def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, **kw):
-        ds = Workload(job_config.training.seq_len, job_config.training.local_batch_size)
+        ds = Workload(job_config.training.seq_len, job_config.training.local_batch_size,
+                      2 if job_config.core_attention.pingpong else 1)  # fmt: skip
         return ParallelAwareDataloader(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=None)
 
     spec = dataclasses.replace(ts.get_train_spec("llama3"), build_dataloader_fn=build_dataloader,
                                parallelize_fn=tt.parallelize, pipelining_fn=pipeline.pipelining_fn)  # fmt: skip
     ts.register_train_spec(tt.TRAIN_SPEC, spec)
 
-    attn = [0.0]
+    attn, wait = [0.0], [0.0]
     segments: list[tuple] = []
+    saved = {"live": 0, "peak": 0}
+
+    time_wait = ExchangeStats.time_wait
+
+    def timed_wait(self, work, device):
+        t0 = time.perf_counter()
+        try:
+            return time_wait(self, work, device)
+        finally:
+            wait[0] += time.perf_counter() - t0
+
+    ExchangeStats.time_wait = timed_wait
+
+    class _Saved:
+        """A tensor autograd saved for backward; its bytes count as live until the graph drops it."""
+
+        __slots__ = ("t", "n")
+
+        def __init__(self, t):
+            self.t, self.n = t, t.numel() * t.element_size()
+            saved["live"] += self.n
+            saved["peak"] = max(saved["peak"], saved["live"])
+
+        def __del__(self):
+            saved["live"] -= self.n
 
     def timed_kernel(fn):
         def wrapper(*x, **k):
@@ -119,9 +166,9 @@ def _worker(a: argparse.Namespace) -> None:
     def segment(kind, index_of):
         def deco(fn):
             def wrapper(*x, **k):
-                a0, t0 = attn[0], time.perf_counter()
+                a0, w0, t0 = attn[0], wait[0], time.perf_counter()
                 out = fn(*x, **k)
-                segments.append((kind, index_of(x, k), time.perf_counter() - t0, attn[0] - a0))
+                segments.append((kind, index_of(x, k), time.perf_counter() - t0, attn[0] - a0, wait[0] - w0))
                 return out
 
             return wrapper
@@ -130,17 +177,26 @@ def _worker(a: argparse.Namespace) -> None:
 
     PipelineStage.forward_one_chunk = segment("fwd", lambda x, k: x[1])(PipelineStage.forward_one_chunk)
     PipelineStage.backward_one_chunk = segment("bwd", lambda x, k: x[1])(PipelineStage.backward_one_chunk)
-    pipeline.IdleServer.forward = segment("idle_fwd", lambda x, k: None)(pipeline.IdleServer.forward)
-    pipeline.IdleServer.backward = staticmethod(segment("idle_bwd", lambda x, k: None)(pipeline.IdleServer.backward))
     rows = []
 
     class BenchTrainer(tt.CoreAttentionTrainer):
+        def _idle_stage(self, step):
+            idle = super()._idle_stage(step)
+            return lambda kind, k: segment("idle_" + ("fwd" if kind == "F" else "bwd"), lambda x, kw: k)(idle)(kind, k)
+
+        def forward_backward_step(self, **kw):
+            with torch.autograd.graph.saved_tensors_hooks(_Saved, lambda s_: s_.t):
+                return super().forward_backward_step(**kw)
+
         def train_step(self, data_iterator):
             segments.clear()
+            saved["peak"] = saved["live"]
             t0 = time.perf_counter()
             super().train_step(data_iterator)
+            ca = self.run_stats.rows[-1] if self.run_stats.rows else {}
             rows.append({"step": self.step, "rank": rank, "seconds": time.perf_counter() - t0,
-                         "segments": list(segments)})  # fmt: skip
+                         "segments": list(segments), "saved_peak_bytes": saved["peak"],
+                         "exposed_plan_s": ca.get("ca/exposed_plan_ms", 0.0) / 1e3})  # fmt: skip
 
         def close(self):
             (Path(a.out) / f"rank{rank}.json").write_text(json.dumps(rows))
@@ -163,6 +219,7 @@ def _launch(config: str, a: argparse.Namespace, out: Path) -> list[dict]:
         "--training.steps", str(a.steps + 2), "--training.dataset", "synthetic_pretrain",
         "--parallelism.pipeline_parallel_schedule", c["schedule"], "--core_attention.policy", c["policy"],
         "--core_attention.across_stages" if c["across"] else "--core_attention.no-across_stages",
+        "--core_attention.pingpong" if c.get("pingpong") else "--core_attention.no-pingpong",
         "--metrics.log_freq", "1000", "--job.dump_folder", str(out / "titan"), "--debug.seed", "0",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), DISTCA_BENCH_PP=json.dumps({"out": str(out)}))
@@ -173,29 +230,45 @@ def _launch(config: str, a: argparse.Namespace, out: Path) -> list[dict]:
     return [row for rk in range(STAGES) for row in json.loads((out / f"rank{rk}.json").read_text())]
 
 
-def ticks(rows: list[dict], M: int) -> dict[int, dict[tuple[str, int], tuple[list[float], list[float]]]]:
-    """step -> {(phase, tick): (compute s per stage, attention s per stage)} (pure).
+def sub_ticks(config: str, M: int, stage: int) -> list[tuple[str, int]]:
+    """(kind, position) of each of ``stage``'s sub-ticks in order, idle ones included: "fwd"/"bwd"
+    and the sub-tick's position in the step (pure). TickGPipe: forward sub-ticks 0 .. n - 1, then
+    backward n .. 2n - 1; Tick1F1B: tick k's forward 2k, backward 2k + 1."""
+    from torchtitan_ext.pipeline import stage_ticks
 
-    Stage ``s``'s forward of micro-batch ``m`` is in forward tick ``m + s``; its backward in backward
-    tick ``M + P - 2 - m - s`` (TickGPipe's order; for torch's GPipe the same pairing of stage
-    times, though its stages do not wait for each other per tick). Idle ticks fill the rest."""
-    n = M + STAGES - 1
+    sched = CONFIGS[config]["schedule"]
+    if sched == "GPipe":
+        sched = "TickGPipe"
+    ticks = stage_ticks(sched, M, STAGES, stage)
+    if sched == "TickGPipe":
+        n = M + STAGES - 1
+        return [("fwd", t.plan) if t.kind == "F" else ("bwd", n + (n - 1 - t.plan)) for t in ticks]
+    return [("fwd" if t.kind == "F" else "bwd", 2 * t.plan + (t.kind == "B")) for t in ticks]
+
+
+def ticks(rows: list[dict], config: str, M: int) -> dict[int, dict[tuple[str, int], tuple[list[float], ...]]]:
+    """step -> {(kind, sub-tick): (compute s, attention s, exchange wait s) per stage} (pure).
+
+    Tick schedules record one segment per sub-tick, idle ones included, in order. ``off`` (torch's
+    GPipe) records only its micro-batches, each placed where TickGPipe runs it. Compute counts only
+    active stages (an idle sub-tick's serving counts as attention and wait)."""
     out: dict[int, dict] = {}
     for r in rows:
         s = r["rank"]
         per = out.setdefault(r["step"], {})
-        idle = {"idle_fwd": [t for t in range(n) if not 0 <= t - s < M],
-                "idle_bwd": [u for u in range(n) if not 0 <= n - 1 - u - s < M]}  # fmt: skip
-        for kind, idx, sec, att in r["segments"]:
-            if kind == "fwd":
-                key = ("fwd", idx + s)
-            elif kind == "bwd":
-                key = ("bwd", n - 1 - idx - s)
-            else:
-                key = (kind[5:], idle[kind].pop(0))
-            comp, at = per.setdefault(key, ([0.0] * STAGES, [0.0] * STAGES))
+        order = sub_ticks(config, M, s)
+        if CONFIGS[config]["schedule"] == "GPipe":
+            n = M + STAGES - 1
+            keys = [("fwd", m + s) if kind == "fwd" else ("bwd", n + (n - 1 - (m + s))) for kind, m, *_ in r["segments"]]
+        elif len(order) != len(r["segments"]):
+            raise RuntimeError(f"{config} rank {s}: {len(r['segments'])} segments for {len(order)} sub-ticks")
+        else:
+            keys = order
+        for key, (kind, _, sec, att, w) in zip(keys, r["segments"]):
+            comp, at, wt = per.setdefault(key, ([0.0] * STAGES, [0.0] * STAGES, [0.0] * STAGES))
             comp[s] += sec if not kind.startswith("idle") else 0.0
             at[s] += att
+            wt[s] += w
     return out
 
 
@@ -205,11 +278,17 @@ def summarize(rows_by: dict[str, list[dict]], M: int, T: int) -> dict:
     steps = sorted({r["step"] for r in rows_by["off"]})[2:]  # 1-2: warm-up
     step_s = {c: {s: max(r["seconds"] for r in rows if r["step"] == s) for s in steps} for c, rows in rows_by.items()}
     tokens = M * T
+
+    def per_step(rows, s, f):
+        """Max over ranks of f(row) at step s."""
+        return max(f(r) for r in rows if r["step"] == s)
+
+    off_attn = {s: per_step(rows_by["off"], s, lambda r: sum(g[3] for g in r["segments"])) for s in steps}
     for c, rows in rows_by.items():
-        tk = ticks(rows, M)
+        tk = ticks(rows, c, M)
         comp_spread, attn_spread, busy = [], [], []
         for s in steps:
-            for comp, at in tk[s].values():
+            for comp, at, _ in tk[s].values():
                 active = [x for x in comp if x > 0]
                 if len(active) == STAGES:
                     comp_spread.append(max(active) / statistics.mean(active))
@@ -218,24 +297,42 @@ def summarize(rows_by: dict[str, list[dict]], M: int, T: int) -> dict:
             busy.append(sum(seg[2] for r in rows if r["step"] == s for seg in r["segments"]) / (STAGES * step_s[c][s]))
         sp = [step_s["off"][s] / step_s[c][s] for s in steps]
         tps = [tokens / step_s[c][s] for s in steps]
+        mem = [statistics.median([r["saved_peak_bytes"] for r in rows if r["rank"] == k and r["step"] in steps])
+               for k in range(STAGES)]  # fmt: skip
+        # Where the step's time went beyond off's, per step (slowest rank's seconds).
+        br = {
+            "exposed_exchange_s": [per_step(rows, s, lambda r: sum(g[4] for g in r["segments"])) for s in steps],
+            "attention_kernel_inflation_s": [
+                per_step(rows, s, lambda r: sum(g[3] for g in r["segments"])) - off_attn[s] for s in steps
+            ],
+            "exposed_planning_s": [per_step(rows, s, lambda r: r["exposed_plan_s"]) for s in steps],
+        }
         res["configs"][c] = {
             "tokens_per_s": [min(tps), statistics.median(tps), max(tps)],
             "speedup_vs_off": [min(sp), statistics.median(sp), max(sp)],
-            "tick_compute_max_over_mean": statistics.median(comp_spread) if comp_spread else None,
-            "tick_attention_max_over_mean": statistics.median(attn_spread) if attn_spread else None,
+            "subtick_compute_max_over_mean": statistics.median(comp_spread) if comp_spread else None,
+            "subtick_attention_max_over_mean": statistics.median(attn_spread) if attn_spread else None,
             "idle_fraction": 1 - statistics.median(busy),
+            "activation_peak_MiB_per_stage": [m / (1 << 20) for m in mem],
+            "step_s": statistics.median(step_s[c][s] for s in steps),
+            "breakdown_s": {k: statistics.median(v) for k, v in br.items()},
         }
     # Zero-overhead bound: off's step minus, per tick, what spreading the tick's attention evenly
     # over both stages would save on the tick's slowest stage.
-    tk = ticks(rows_by["off"], M)
-    bound = []
+    tk = ticks(rows_by["off"], "off", M)
+    bound, bound_s = [], []
     for s in steps:
         save = 0.0
-        for comp, at in tk[s].values():
+        for comp, at, _ in tk[s].values():
             lin = [c_ - a_ for c_, a_ in zip(comp, at)]  # 0 on an idle stage
             save += max(comp) - (max(lin) + sum(at) / STAGES)
         bound.append(step_s["off"][s] / (step_s["off"][s] - save))
+        bound_s.append(step_s["off"][s] - save)
     res["speedup_bound"] = [min(bound), statistics.median(bound), max(bound)]
+    off_s, ideal_s = statistics.median(step_s["off"][s] for s in steps), statistics.median(bound_s)
+    for c, v in res["configs"].items():
+        # Share of the bound's gain (off's step down to the ideal one) this configuration captured.
+        v["bound_gain_captured"] = (off_s - v["step_s"]) / (off_s - ideal_s) if off_s > ideal_s else None
     return res
 
 
@@ -265,13 +362,16 @@ def main(argv: list[str] | None = None) -> None:
     b = s["speedup_bound"]
     print(f"pp {STAGES}, {a.microbatches} micro-batches x {a.tokens} tokens; schedule bubble {s['schedule_bubble']:.2f}; "
           f"zero-overhead bound {b[0]:.2f}/{b[1]:.2f}/{b[2]:.2f}; {s['wall_s']} s")  # fmt: skip
-    print(f"  {'config':11} {'tok/s min/med/max':>22} {'speedup':>16} {'tick compute max/mean':>22} "
-          f"{'tick attn max/mean':>19} {'idle':>6}")  # fmt: skip
+    print(f"  {'config':21} {'tok/s min/med/max':>20} {'speedup':>15} {'gain':>5} {'compute':>8} {'attn':>6} "
+          f"{'idle':>5} {'act MiB/stage':>14} {'exch s':>7} {'kern+ s':>7} {'plan s':>6}")  # fmt: skip
     for c, v in s["configs"].items():
         f = lambda xs: "/".join(f"{x:.2f}" if x < 100 else f"{x:.0f}" for x in xs)  # noqa: E731
-        cm, am = v["tick_compute_max_over_mean"], v["tick_attention_max_over_mean"]
-        print(f"  {c:11} {f(v['tokens_per_s']):>22} {f(v['speedup_vs_off']):>16} {cm or float('nan'):22.3f} "
-              f"{am or float('nan'):19.3f} {v['idle_fraction']:6.2f}")  # fmt: skip
+        cm, am = v["subtick_compute_max_over_mean"], v["subtick_attention_max_over_mean"]
+        g, br = v["bound_gain_captured"], v["breakdown_s"]
+        print(f"  {c:21} {f(v['tokens_per_s']):>20} {f(v['speedup_vs_off']):>15} {g if g is not None else float('nan'):5.2f} "
+              f"{cm or float('nan'):8.3f} {am or float('nan'):6.3f} {v['idle_fraction']:5.2f} "
+              f"{'/'.join(f'{m:.0f}' for m in v['activation_peak_MiB_per_stage']):>14} {br['exposed_exchange_s']:7.2f} "
+              f"{br['attention_kernel_inflation_s']:7.2f} {br['exposed_planning_s']:6.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
     DISTCA_TEST_KILL_STEP=7                                   local rank 1 is killed (SIGKILL) in its forward at step 7
     DISTCA_TEST_BAD_CALL_STEP=3                               local rank 1 passes mode="fast" to one core
                                                               attention call at step 3 (its peers' calls are fine)
+    DISTCA_TEST_TICK_DELAY=0.05                               every rank sleeps a random 0 .. 0.05 s (seeded by
+                                                              rank) before each pipeline sub-tick's work
 
 Every rank logs "optimizer step N" when its optimizer steps, so a test can tell which steps
 updated the parameters.
@@ -17,6 +19,7 @@ RANK1 = os.environ.get("LOCAL_RANK") == "1"
 FAIL_STEP = int(os.environ.get("DISTCA_TEST_FAIL_STEP", "0"))
 KILL_STEP = int(os.environ.get("DISTCA_TEST_KILL_STEP", "0"))
 BAD_CALL_STEP = int(os.environ.get("DISTCA_TEST_BAD_CALL_STEP", "0"))
+TICK_DELAY = float(os.environ.get("DISTCA_TEST_TICK_DELAY", "0"))
 if RANK1:  # before torchtitan is imported: its ConfigManager binds sys.argv then
     sys.argv += os.environ.get("DISTCA_TEST_RANK1_ARGS", "").split()
 
@@ -39,6 +42,32 @@ class FaultyTrainer(train.CoreAttentionTrainer):
             return step(*args, **kwargs)
 
         self.optimizers.step = logged_step
+        if TICK_DELAY > 0 and self.parallel_dims.pp_enabled:
+            self._delay_sub_ticks()
+
+    def _delay_sub_ticks(self) -> None:
+        """A random sleep before every sub-tick's work (a micro-batch's forward or backward, or an
+        idle sub-tick's serving): ranks reach each sub-tick's collectives in a shuffled order."""
+        import random
+        import time
+
+        from torchtitan_ext import pipeline
+
+        rng = random.Random(int(os.environ.get("RANK", "0")))
+        stage = self.pp_schedule._stage
+
+        def delayed(fn):
+            def run(*args, **kwargs):
+                time.sleep(rng.uniform(0, TICK_DELAY))
+                return fn(*args, **kwargs)
+
+            return run
+
+        stage.forward_one_chunk = delayed(stage.forward_one_chunk)
+        stage.backward_one_chunk = delayed(stage.backward_one_chunk)
+        idle = self._idle_stage
+        self._idle_stage = lambda step: delayed(idle(step))
+        assert isinstance(self.pp_schedule, pipeline.TickSchedule)
 
     def train_step(self, data_iterator) -> None:
         if RANK1 and self.step == BAD_CALL_STEP:

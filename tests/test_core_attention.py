@@ -421,7 +421,7 @@ def _lifetime_worker(rank, world):
     gc.collect()
     freed = key not in api._LIVE
     try:
-        torch.ops.distca.core_attention_fwd(torch.zeros(2, dtype=torch.int64), q, k, v, handle, 0.3, "resend", "cpu", False, "")
+        torch.ops.distca.core_attention_fwd(torch.zeros(2, dtype=torch.int64), q, k, v, handle, None, 0.3, "resend", "cpu", False, "")
         err = ""
     except RuntimeError as e:
         err = str(e)

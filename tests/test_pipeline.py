@@ -8,6 +8,7 @@ documents (a new layout every micro-batch), 6 steps, planned with the H200 cost 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 
@@ -19,8 +20,8 @@ from torchtitan_ext import _compat
 _compat.apply()  # before any torchtitan import in this process
 
 import _titan as tt  # noqa: E402
-from torchtitan_ext.converter import tick_layouts  # noqa: E402
-from torchtitan_ext.pipeline import tick_order  # noqa: E402
+from torchtitan_ext.pipeline import stage_ticks, tick_assignments  # noqa: E402
+from torchtitan_ext.planning import tick_layouts  # noqa: E402
 
 _STEPS = 6
 _COMMON = [
@@ -35,22 +36,64 @@ _COMMON = [
 # ---- pure ------------------------------------------------------------------------------------
 
 
-def test_tick_order_pairs_each_backward_tick_with_a_forward_tick():
+def _in_flight(ticks) -> int:
+    """Most micro-batches forwarded but not yet backwarded at once, over a stage's sub-ticks."""
+    held = peak = 0
+    for t in ticks:
+        if t.microbatch is not None:
+            held += 1 if t.kind == "F" else -1
+            peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("M,P", [(4, 2), (8, 4), (3, 4), (5, 3)])
+def test_tick1f1b_is_the_papers_order(M, P):
+    """Tick k: stage s runs the forward of k - s, then the backward of k - 2P + 2 + s; every
+    micro-batch once each way, backward in micro-batch order, after its forward and after the next
+    stage's backward; stage s holds min(M, 2(P - s) - 1) micro-batches at most."""
+    n = M + 2 * P - 2
+    fwd_at, bwd_at = {}, {}
+    for s in range(P):
+        ticks = stage_ticks("Tick1F1B", M, P, s)
+        assert [(t.kind, t.plan) for t in ticks] == [(kind, k) for k in range(n) for kind in "FB"]
+        for t in ticks:
+            want = t.plan - s if t.kind == "F" else t.plan - 2 * P + 2 + s
+            assert t.microbatch == (want if 0 <= want < M else None), (s, t)
+            if t.microbatch is not None:
+                (fwd_at if t.kind == "F" else bwd_at)[s, t.microbatch] = 2 * t.plan + (t.kind == "B")
+        assert [t.microbatch for t in ticks if t.kind == "B" and t.microbatch is not None] == list(range(M))
+        assert _in_flight(ticks) == min(M, 2 * (P - s) - 1)
+    for m in range(M):
+        for s in range(P):
+            assert fwd_at[s, m] < bwd_at[s, m]
+            if s:  # activations arrive from the previous stage's forward, one sub-tick pair earlier
+                assert fwd_at[s, m] == fwd_at[s - 1, m] + 2
+            if s < P - 1:  # gradients from the next stage's backward, one tick earlier
+                assert bwd_at[s, m] == bwd_at[s + 1, m] + 2
+    fwd, bwd = tick_assignments("Tick1F1B", M, P)
+    assert len(fwd) == len(bwd) == n
+    # A backward sub-tick groups other micro-batches than the forward sub-tick of the same tick.
+    assert any(f != b for f, b in zip(fwd, bwd) if any(x is not None for x in b))
+
+
+def test_tickgpipe_backward_mirrors_its_forward_ticks():
     M, P = 4, 3
-    orders = [tick_order(M, P, s) for s in range(P)]
     n = M + P - 1
-    for s, (fwd, bwd) in enumerate(orders):
-        assert len(fwd) == len(bwd) == n
-        assert [m for m in fwd if m is not None] == list(range(M))  # forward: micro-batches in order
-        assert [m for m in bwd if m is not None] == list(range(M))[::-1]  # backward: reversed
-        assert fwd[:s] == [None] * s  # warm-up: stage s starts at tick s
-    for u in range(n):  # backward tick u holds the (stage, micro-batch) pairs of forward tick n - 1 - u
-        assert [o[1][u] for o in orders] == [o[0][n - 1 - u] for o in orders]
+    fwd, bwd = tick_assignments("TickGPipe", M, P)
+    assert len(fwd) == n and bwd == []
+    for s in range(P):
+        ticks = stage_ticks("TickGPipe", M, P, s)
+        f, b = ticks[:n], ticks[n:]
+        assert [t.microbatch for t in f if t.microbatch is not None] == list(range(M))
+        assert [t.microbatch for t in b if t.microbatch is not None] == list(range(M))[::-1]
+        assert [t.plan for t in b] == list(range(n))[::-1]  # backward sub-tick u reuses forward plan n - 1 - u
+        assert [t.microbatch for t in b] == [fwd[t.plan][s] for t in b]
+        assert _in_flight(ticks) == M
 
 
 def test_tick_layouts_place_micro_batches_and_padding():
     cus = [torch.tensor([0, 300, 512]), torch.tensor([0, 100, 512]), torch.tensor([0, 512])]
-    lays = tick_layouts(cus, stages=2, ranks=2, tokens_per_rank=256)
+    lays = tick_layouts(cus, stages=2, ranks=2, tokens_per_rank=256, schedule="TickGPipe")
     assert len(lays) == 4
     # Tick 0: stage 0 holds micro-batch 0 on ranks 0-1, stage 1 (ranks 2-3) is idle.
     assert lays[0].cu_seqlens == (0, 300, 512, 768, 1024) and lays[0].padding == (2, 3)
@@ -60,6 +103,32 @@ def test_tick_layouts_place_micro_batches_and_padding():
     assert lays[3].cu_seqlens == (0, 256, 512, 1024) and lays[3].padding == (0, 1)
     with pytest.raises(ValueError, match=r"micro-batch 1's cu_seqlens ends at 500, not ranks \* tokens_per_rank = 512"):
         tick_layouts([cus[0], torch.tensor([0, 500])], 2, 2, 256)
+    # Tick1F1B: 5 forward sub-ticks (as TickGPipe's 4, plus one more drain), then 5 backward ones.
+    lays = tick_layouts(cus, stages=2, ranks=2, tokens_per_rank=256)
+    assert len(lays) == 2 * (3 + 2 * 2 - 2)
+    bwd = lays[5:]
+    assert bwd[0].padding == (0, 1, 2, 3)  # nobody runs a backward in tick 0
+    assert bwd[1].cu_seqlens == (0, 256, 512, 812, 1024) and bwd[1].padding == (0, 1)  # stage 1: micro-batch 0
+    assert bwd[2].cu_seqlens == (0, 300, 512, 612, 1024) and bwd[2].padding == ()  # stage 0: 0, stage 1: 1
+
+
+def test_tick_layouts_shift_nano_batch_context():
+    """Two nano-batches per micro-batch: nano-batch 1 continues a document of nano-batch 0; stacked
+    in a sub-tick, its context points at the same stage's rows of nano-batch 0's layout."""
+    from distca import Layout, split_nano_batches
+
+    mbs = [split_nano_batches(Layout((0, 100, 512), 2, 256)), split_nano_batches(Layout((0, 400, 512), 2, 256))]
+    cus = [torch.tensor(lay.cu_seqlens) for pair in mbs for lay in pair]
+    ctxs = [None if not lay.context else torch.tensor(lay.context) for pair in mbs for lay in pair]
+    lays = tick_layouts(cus, 2, 2, 128, "Tick1F1B", ctxs, nano_batches=2)
+    f1 = lays[2:4]  # forward sub-tick 1: stage 0 micro-batch 1, stage 1 micro-batch 0
+    for j in (0, 1):
+        assert f1[j].ranks == 4 and f1[j].tokens_per_rank == 128
+    # Stage 1's part of nano-batch 1 continues micro-batch 0's document 1 from stage 1's part of nano-batch 0.
+    (doc0, tok0, end0), = mbs[0][1].context
+    shifted = [c for c in f1[1].context if c[2] > 256]
+    assert shifted and shifted[0][1] == tok0 and shifted[0][2] == 256 + end0, (f1[1].context, mbs[0][1].context)
+    assert f1[1].cu_seqlens[-1] == 512
 
 
 def test_idle_stage_serves_in_warm_up_ticks():
@@ -93,12 +162,18 @@ def _run(nproc: int, folder, *args: str, config: str = "train_configs/debug_cpu_
     return r.returncode, log, time.monotonic() - t0
 
 
-def _from_seed(nproc, titan_dir, seed_ckpt, name, *args, config="train_configs/debug_cpu_pp.toml"):
+def _from_seed(nproc, titan_dir, seed_ckpt, name, *args, config="train_configs/debug_cpu_pp.toml", **kw):
     folder = titan_dir / name
     _, log, _ = _run(
-        nproc, folder, "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_ckpt), *args, config=config
-    )
+        nproc, folder, "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_ckpt), *args, config=config,
+        **kw,
+    )  # fmt: skip
     return log, tt._scalars(folder), folder
+
+
+def _held(log: str, stage: int) -> set[int]:
+    """The numbers of micro-batches stage ``stage`` held at once, over the run's logged steps."""
+    return {int(n) for n in re.findall(rf"stage {stage} held (\d+) micro-batches at once", log)}
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +182,23 @@ def pp2(titan_dir, seed_ckpt):
     checkpoint at step 3 for the resume test."""
     return _from_seed(2, titan_dir, seed_ckpt, "pp2", "--training.seq_len", "256", "--training.local_batch_size", "4",
                       "--checkpoint.interval", "3")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pp2_pingpong(titan_dir, seed_ckpt):
+    """pp 2 as ``pp2`` with ping-pong: two nano-batches per micro-batch, each with its own forward
+    and backward sub-tick plans."""
+    return _from_seed(2, titan_dir, seed_ckpt, "pp2_pingpong", "--training.seq_len", "256",
+                      "--training.local_batch_size", "4", "--core_attention.pingpong",
+                      "--checkpoint.interval", "100000")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pp2_gpipe(titan_dir, seed_ckpt):
+    """pp 2 as ``pp2`` on the TickGPipe schedule (one plan per forward/backward sub-tick pair)."""
+    return _from_seed(2, titan_dir, seed_ckpt, "pp2_gpipe", "--training.seq_len", "256",
+                      "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_schedule", "TickGPipe",
+                      "--checkpoint.interval", "100000")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +228,49 @@ def pp2_dp2(titan_dir, seed_ckpt):
 
 
 @pytest.fixture(scope="module")
+def pp2_dp2_pingpong(titan_dir, seed_ckpt):
+    """``pp2_dp2`` with ping-pong."""
+    return _from_seed(4, titan_dir, seed_ckpt, "pp2_dp2_pingpong", "--training.seq_len", "256",
+                      "--training.local_batch_size", "2", "--core_attention.pingpong",
+                      "--checkpoint.interval", "100000")  # fmt: skip
+
+
+def _pp4(titan_dir, seed_ckpt_8l, name, *args):
+    """pp 4 on 4 processes (the 8-layer debug model: 2 layers per stage), 8 micro-batches of 128 tokens."""
+    return _from_seed(4, titan_dir, seed_ckpt_8l, name, "--model.flavor", "debugmodel_8l", "--training.seq_len", "128",
+                      "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "4",
+                      "--checkpoint.interval", "100000", *args, timeout=600)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def seed_ckpt_8l(titan_dir):
+    """A seed checkpoint of the 8-layer debug model (as conftest's ``seed_ckpt`` for the 6-layer one)."""
+    folder = titan_dir / "seed_8l"
+    tt._torchrun(1, folder, "--model.flavor", "debugmodel_8l", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
+    return folder / "checkpoint/step-0"
+
+
+@pytest.fixture(scope="module")
+def pp4(titan_dir, seed_ckpt_8l):
+    return _pp4(titan_dir, seed_ckpt_8l, "pp4")
+
+
+@pytest.fixture(scope="module")
+def pp4_pingpong(titan_dir, seed_ckpt_8l):
+    return _pp4(titan_dir, seed_ckpt_8l, "pp4_pingpong", "--core_attention.pingpong")
+
+
+@pytest.fixture(scope="module")
+def pp1_accum8_8l(titan_dir, seed_ckpt_8l):
+    """pp 4's reference: the 8-layer model on 1 process, gradient accumulation over its 8 micro-batches."""
+    return _from_seed(
+        1, titan_dir, seed_ckpt_8l, "pp1_accum8_8l", "--model.flavor", "debugmodel_8l", "--training.seq_len", "128",
+        "--training.local_batch_size", "1", "--training.global_batch_size", "8", "--checkpoint.interval", "100000",
+        config="train_configs/debug_cpu.toml",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
 def dp2_accum2(titan_dir, seed_ckpt):
     """pp 2 x dp 2's reference: dp 2 on 2 processes, CAD on, gradient accumulation over 2 micro-batches."""
     return _from_seed(
@@ -159,7 +294,7 @@ def _assert_same_training(run, ref):
 @pytest.mark.slow
 def test_pp2_equals_gradient_accumulation_without_pp(pp2, pp1_accum4):
     log = pp2[0]
-    assert "Using pipeline schedule GPipe" in log or "TickGPipe" in log, log[-3000:]
+    assert "pipeline schedule Tick1F1B (torchtitan_ext.pipeline): 4 micro-batches, 2 stages, CA across stages: yes" in log, log[-3000:]
     # The CA group spans both stages and really moves work (the warm-up and drain ticks have one
     # stage idle, which then serves the other's tasks).
     assert "group of 2" in log, log[-3000:]
@@ -173,6 +308,34 @@ def test_pp2_equals_gradient_accumulation_without_pp(pp2, pp1_accum4):
 
 
 @pytest.mark.slow
+def test_pp2_holds_at_most_2p_minus_1_micro_batches(pp2, pp2_gpipe):
+    """Tick1F1B: stage s holds min(M, 2(P - s) - 1) micro-batches (torch's stage cache, counted every
+    step); TickGPipe holds all M."""
+    assert _held(pp2[0], 0) == {3} and _held(pp2[0], 1) == {1}, (_held(pp2[0], 0), _held(pp2[0], 1))
+    assert _held(pp2_gpipe[0], 0) == {4} and _held(pp2_gpipe[0], 1) == {4}
+
+
+@pytest.mark.slow
+def test_pp2_pingpong_and_tickgpipe_equal_gradient_accumulation(pp2_pingpong, pp2_gpipe, pp1_accum4):
+    """Ping-pong inside the ticks (two nano-batches, each with its own forward and backward plans),
+    and the TickGPipe schedule, train as gradient accumulation without PP does."""
+    assert "2 nano-batch(es), ping-pong" in pp2_pingpong[0]
+    assert min(pp2_pingpong[1]["ca/fwd_MiB_per_layer"].values()) > 0
+    _assert_same_training(pp2_pingpong, pp1_accum4)
+    _assert_same_training(pp2_gpipe, pp1_accum4)
+
+
+@pytest.mark.slow
+def test_pp4_equals_gradient_accumulation_without_pp(pp4, pp4_pingpong, pp1_accum8_8l):
+    """pp 4 on 4 processes, 8 micro-batches, with and without ping-pong; each stage holds
+    min(8, 2(4 - s) - 1) = 7, 5, 3, 1 micro-batches."""
+    for run in (pp4, pp4_pingpong):
+        assert "group of 4" in run[0], run[0][-3000:]
+        assert [_held(run[0], s) for s in range(4)] == [{7}, {5}, {3}, {1}], [_held(run[0], s) for s in range(4)]
+        _assert_same_training(run, pp1_accum8_8l)
+
+
+@pytest.mark.slow
 def test_per_stage_groups_with_torch_1f1b_equal_gradient_accumulation(pp2_1f1b, pp1_accum4):
     """The other pipeline path: torch's own 1F1B schedule, each stage its own CA group (of 1 here),
     still each micro-batch with its own plan and positions and the same loss scaling."""
@@ -181,9 +344,10 @@ def test_per_stage_groups_with_torch_1f1b_equal_gradient_accumulation(pp2_1f1b, 
 
 
 @pytest.mark.slow
-def test_pp2_dp2_equals_gradient_accumulation_without_pp(pp2_dp2, dp2_accum2):
-    assert "group of 4" in pp2_dp2[0], pp2_dp2[0][-3000:]
-    _assert_same_training(pp2_dp2, dp2_accum2)
+def test_pp2_dp2_equals_gradient_accumulation_without_pp(pp2_dp2, pp2_dp2_pingpong, dp2_accum2):
+    for run in (pp2_dp2, pp2_dp2_pingpong):
+        assert "group of 4" in run[0], run[0][-3000:]
+        _assert_same_training(run, dp2_accum2)
 
 
 @pytest.mark.slow
@@ -243,3 +407,13 @@ def test_exception_in_one_stage_ends_every_rank(tmp_path):
     assert rc != 0
     assert "injected failure in the forward of rank 1 at step 2" in log, log[-4000:]
     assert "step:  2" not in log
+
+
+@pytest.mark.slow
+def test_random_sub_tick_delays_change_nothing(titan_dir, seed_ckpt, pp2_pingpong):
+    """Every rank sleeps a random 0-50 ms before each sub-tick's work, so the ranks reach each
+    sub-tick's collectives and P2P in shuffled order: the run ends cleanly with the same losses."""
+    run = _from_seed(2, titan_dir, seed_ckpt, "pp2_pingpong_delayed", "--training.seq_len", "256",
+                     "--training.local_batch_size", "4", "--core_attention.pingpong", "--checkpoint.interval", "100000",
+                     launcher=_FAULT, env={"DISTCA_TEST_TICK_DELAY": "0.05"}, timeout=300)  # fmt: skip
+    _assert_same_training(run, pp2_pingpong)

@@ -3,7 +3,7 @@
 torchtitan 0.2.2 lays the world out as ("pp", "batch", "cp", "tp"), TP innermost, and shards
 ``wq``/``wk``/``wv`` column-wise, so TP rank ``t`` runs attention on its local heads over the full
 row. The CA group of a rank is then the ``degree`` consecutive batch ranks that hold the same TP
-rank (``torchtitan_ext.converter.build_ca_mesh``); its TP peers read the same tokens.
+rank (``torchtitan_ext.ca_mesh.build_ca_mesh``); its TP peers read the same tokens.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_ca_mesh_layout_against_torchtitan_meshes(dp_replicate, dp_shard, tp, de
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torchtitan.distributed.parallel_dims import ParallelDims
 
-    from torchtitan_ext.converter import build_ca_mesh
+    from torchtitan_ext.ca_mesh import build_ca_mesh
 
     W = dp_replicate * dp_shard * tp
     for rank in range(W):
@@ -133,7 +133,8 @@ def _mesh_worker(rank, world):
     from torchtitan.protocols import train_spec as ts
 
     from torchtitan_ext import data
-    from torchtitan_ext.converter import CoreAttentionConverter, build_ca_mesh
+    from torchtitan_ext.ca_mesh import build_ca_mesh
+    from torchtitan_ext.converter import CoreAttentionConverter
     from torchtitan_ext.train import build_dataloader
 
     pd = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=2, pp=1, ep=1, etp=1, world_size=world)

@@ -234,7 +234,8 @@ def test_compat_refuses_late_import():
 def _module_worker(rank, world, T, cu):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchtitan_ext.converter import CAPlanner, CoreAttentionModule
+    from torchtitan_ext.layers import CoreAttentionModule
+    from torchtitan_ext.planning import CAPlanner
 
     torch.manual_seed(0)
     Hq, Hkv, D = 4, 2, 16
@@ -583,7 +584,7 @@ def _bind_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     import distca
-    from torchtitan_ext.converter import CAPlanner
+    from torchtitan_ext.planning import CAPlanner
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ca_outer", "ca"))
     pl = CAPlanner(cfg=CoreAttention(enable=True), mesh=mesh, degree=world, rank=rank)
@@ -618,7 +619,7 @@ def _capacity_worker(rank, world):
 
     from distca import MODEL_SHAPES, load_cost_model
     import distca
-    from torchtitan_ext.converter import CAPlanner
+    from torchtitan_ext.planning import CAPlanner
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ca_outer", "ca"))
     out = []

@@ -16,7 +16,7 @@ from typing import Literal, get_args
 from distca.planner import POLICIES
 
 __all__ = [
-    "CoreAttention", "JobConfig", "TICK_SCHEDULE", "nano_batches", "saves_core_attention", "validate", "validate_job",
+    "CoreAttention", "JobConfig", "TICK_SCHEDULES", "nano_batches", "saves_core_attention", "validate", "validate_job",
 ]
 
 Policy = Literal["distca", "greedy", "per_doc_cp", "wlb_cp", "colocated"]
@@ -41,8 +41,8 @@ class CoreAttention:
     across_stages: bool = True
     """With ``pipeline_parallel_degree = pp > 1``: true (the paper's 4D setting) makes one CA group
     of ``degree * pp`` ranks, the ``degree`` data-parallel ranks of every stage, planned once per
-    pipeline tick over the micro-batches all stages hold in that tick (needs
-    ``pipeline_parallel_schedule = "TickGPipe"``, see ``docs/pipeline.md``); false keeps each
+    pipeline sub-tick over the micro-batches all stages hold in it (needs
+    ``pipeline_parallel_schedule = "Tick1F1B"`` or ``"TickGPipe"``, see ``docs/pipeline.md``); false keeps each
     stage's group to its own ``degree`` data-parallel ranks (any single-stage schedule)."""
 
     policy: Policy = "distca"
@@ -130,17 +130,17 @@ def nano_batches(cfg: CoreAttention) -> int:
     return n
 
 
-TICK_SCHEDULE = "TickGPipe"
-"""``[parallelism] pipeline_parallel_schedule`` of the tick-synchronous pipeline schedule
-(:mod:`torchtitan_ext.pipeline`): every stage runs the same phase in each tick, so one CA
-group can span the pipeline stages."""
+TICK_SCHEDULES = ("Tick1F1B", "TickGPipe")
+"""``[parallelism] pipeline_parallel_schedule`` values of the tick-synchronous pipeline schedules
+(:mod:`torchtitan_ext.pipeline`): every stage runs the same phase in each sub-tick, so one CA
+group can span the pipeline stages. ``"Tick1F1B"`` (the paper's) is the one to use."""
 
-_SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B", TICK_SCHEDULE)
+_SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B", *TICK_SCHEDULES)
 
 
 def validate(
     cfg: CoreAttention, *, dp_size: int, cp_degree: int = 1, tp_degree: int = 1, pp_degree: int = 1,
-    pp_schedule: str = TICK_SCHEDULE, ac_mode: str = "none", ac_option: str = "2",
+    pp_schedule: str = "Tick1F1B", ac_mode: str = "none", ac_option: str = "2",
 ) -> int:  # fmt: skip
     """Check ``[core_attention]`` against the job's parallelism; return the CA degree.
 
@@ -223,12 +223,6 @@ def _ac_option_note(ac_mode: str, ac_option: str) -> str:
 def _validate_pp(
     cfg: CoreAttention, dp_size: int, tp: int, pp: int, schedule: str, ac_mode: str, ac_option: str, n_nano: int
 ) -> int:
-    if n_nano > 1:
-        raise ValueError(
-            f"core_attention.nano_batches={cfg.nano_batches} (pingpong={str(cfg.pingpong).lower()}) cannot be "
-            f"combined with parallelism.pipeline_parallel_degree={pp}: the pipeline schedule runs whole "
-            "micro-batches; set core_attention.pingpong = false and nano_batches = -1 or 1"
-        )
     if tp > 1:
         raise ValueError(
             f"core_attention.enable=true with parallelism.pipeline_parallel_degree={pp} cannot also use "
@@ -244,11 +238,17 @@ def _validate_pp(
         )
     if not isinstance(cfg.across_stages, bool):
         raise ValueError(f"core_attention.across_stages={cfg.across_stages!r} must be true or false")
-    if cfg.across_stages and schedule != TICK_SCHEDULE:
+    if cfg.across_stages and schedule not in TICK_SCHEDULES:
         raise ValueError(
             f"core_attention.across_stages=true (one CA group over the {pp} pipeline stages) needs every stage "
-            f"to call core attention in the same tick: set parallelism.pipeline_parallel_schedule = "
-            f"{TICK_SCHEDULE!r} (got {schedule!r}), or core_attention.across_stages = false"
+            f"to call core attention in the same sub-tick: set parallelism.pipeline_parallel_schedule = "
+            f'"Tick1F1B" (or "TickGPipe"; got {schedule!r}), or core_attention.across_stages = false'
+        )
+    if cfg.across_stages and cfg.mode != "resend":
+        raise ValueError(
+            f'core_attention.mode="{cfg.mode}" cannot be combined with core_attention.across_stages=true: idle '
+            "stages serve the other stages' tasks without an autograd graph, and Tick1F1B's backward runs on its "
+            'own plan, so servers keep nothing between forward and backward; set mode = "resend"'
         )
     if cfg.across_stages and not saves_core_attention(ac_mode, ac_option):
         raise ValueError(
@@ -295,10 +295,15 @@ def validate_job(cfg: CoreAttention, job_config, dp_size: int) -> int:
         )
     val = getattr(job_config, "validation", None)
     if cfg.enable and p.pipeline_parallel_degree > 1 and val is not None and val.enable:
-        raise ValueError(
-            f"validation.enable=true is not supported with core_attention.enable=true and "
-            f"parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}; set validation.enable = false"
-        )
+        tr = job_config.training
+        for key in ("local_batch_size", "seq_len"):
+            if getattr(val, key) != getattr(tr, key):
+                raise ValueError(
+                    f"validation.{key}={getattr(val, key)} must equal training.{key}={getattr(tr, key)} with "
+                    f"core_attention.enable=true and parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}: "
+                    "validation runs the pipeline schedule's forward sub-ticks on the same micro-batch shapes "
+                    "(local_batch_size micro-batches of seq_len tokens)"
+                )
     return degree
 
 

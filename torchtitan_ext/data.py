@@ -510,8 +510,6 @@ class CAPackedDataset(IterableDataset, Stateful):
             raise ValueError(f"nano_batches must be 1 or 2 and divide seq_len={seq_len}, got {nano_batches}")
         self.stream = stream
         self.group, self.ca_rank, self.ca_degree, self.seq_len, self.seed = group, ca_rank, ca_degree, seq_len, seed
-        if microbatches > 1 and nano_batches > 1:
-            raise ValueError(f"microbatches={microbatches} cannot be combined with nano_batches={nano_batches}")
         self.nano_batches = nano_batches
         self.microbatches = microbatches
         self._state = StreamState()
@@ -541,17 +539,25 @@ class CAPackedDataset(IterableDataset, Stateful):
 
     def _microbatch_item(self, state: StreamState) -> tuple[dict[str, torch.Tensor], torch.Tensor, StreamState]:
         """``microbatches`` consecutive windows as one item: rows [M, T] (row i is micro-batch i,
-        exactly the i-th item a one-micro-batch loader would give), layout i as ``cu_seqlens_<i>``."""
+        exactly the i-th item a one-micro-batch loader would give). Layout ``i * n + j`` is nano-batch
+        ``j`` of micro-batch ``i`` (``n`` nano-batches): ``cu_seqlens_<i*n+j>``, and ``context_<i*n+1>``
+        for the documents nano-batch 1 continues."""
         rows, labels = [], []
+        one = rank_batch if self.nano_batches == 1 else nano_rank_batch
         for _ in range(self.microbatches):
             w = group_window(self.stream, state, self.ca_degree, self.seq_len)
-            d, lab = rank_batch(w, self.ca_rank, self.seq_len)
+            d, lab = one(w, self.ca_rank, self.seq_len)
             rows.append(d)
             labels.append(lab)
             state = w.next_state
         item = {k: torch.cat([r[k] for r in rows]) for k in ("input", "positions")}
+        n = self.nano_batches
         for i, r in enumerate(rows):
-            item["cu_seqlens" if i == 0 else f"cu_seqlens_{i}"] = r["cu_seqlens"]
+            for j in range(n):
+                idx = i * n + j
+                item["cu_seqlens" if idx == 0 else f"cu_seqlens_{idx}"] = r["cu_seqlens" if j == 0 else f"cu_seqlens_{j}"]
+                if j:
+                    item[f"context_{idx}"] = r[f"context_{j}"]
         return item, torch.cat(labels), state
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
@@ -657,7 +663,8 @@ def build_ca_dataloader(
             ``cu_seqlens``, ``cu_seqlens_1`` and ``context_1``.
         microbatches: M, pipeline micro-batches per item: the item's rows [M, T] are M
             consecutive windows of the stream (the M items ``microbatches = 1`` would give),
-            their layouts ``cu_seqlens``, ``cu_seqlens_1`` .. ``cu_seqlens_<M-1>``.
+            their layouts ``cu_seqlens``, ``cu_seqlens_1`` .. ``cu_seqlens_<M-1>`` (with two
+            nano-batches, ``2M`` layouts: micro-batch ``i``'s are ``2i`` and ``2i + 1``).
         section: ``"training"`` or ``"validation"``: the job-config section read.
     """
     from dataclasses import asdict

@@ -1,26 +1,32 @@
-"""Pipeline parallelism with core attention disaggregation: the tick-synchronous schedule.
+"""Pipeline parallelism with core attention disaggregation: tick-synchronous schedules.
 
-Select it with ``[parallelism] pipeline_parallel_schedule = "TickGPipe"``. With
-``[core_attention] across_stages = true`` one CA group spans the pipeline stages (the paper's
-4D setting, ``docs/pipeline.md``):
+Select one with ``[parallelism] pipeline_parallel_schedule``: ``"Tick1F1B"`` (the default for CAD
+across stages, the paper's) or ``"TickGPipe"``. With ``[core_attention] across_stages = true`` one
+CA group spans the stages (the paper's 4D setting, ``docs/pipeline.md``), and every stage runs the
+same phase in each *sub-tick*, so each sub-tick's core attention calls pair up across the stages:
 
-- **Ticks.** With ``M`` micro-batches and ``P`` stages a step is ``M + P - 1`` forward ticks, then
-  ``M + P - 1`` backward ticks. In forward tick ``t`` stage ``s`` runs micro-batch ``t - s``; in
-  backward tick ``u`` it runs micro-batch ``M + P - 2 - u - s`` (the micro-batches in reverse
-  order, last in first out). So backward tick ``u`` holds exactly the (stage, micro-batch) pairs
-  of forward tick ``M + P - 2 - u``, and every core attention backward uses the plan its forward
-  used: one plan per tick pair, which also makes ``mode = "keep"`` possible.
-- **Idle stages serve.** A stage with no micro-batch in a tick (warm-up and drain) still calls
-  core attention once per layer, on placeholder rows that are padding in the tick's plan
-  (``distca.Layout.padding``): it only serves the other stages' tasks. Its backward tick
-  replays those calls' backward.
-- **Activations** travel between ticks with ``torch.distributed.pipelining``'s P2P operations.
-  A tick's receives are waited before its first core attention call and its sends are posted
-  after its last, so no rank waits on a P2P receive while a peer waits on it in a CA
-  all-to-all: every rank runs the same number of CA calls per tick (stages hold equal layers).
+- **Tick1F1B.** With ``M`` micro-batches and ``P`` stages a step is ``M + 2P - 2`` ticks of a
+  forward sub-tick then a backward sub-tick. In tick ``k`` stage ``s`` runs the forward of
+  micro-batch ``k - s`` and the backward of micro-batch ``k - 2P + 2 + s`` (each when in
+  ``[0, M)``): ``P - 1`` warm-up ticks, ``M`` steady ones, ``P - 1`` cool-down ones. Stage ``s``
+  holds at most ``min(M, 2(P - s) - 1)`` micro-batches of activations. A backward sub-tick groups
+  other micro-batches than any forward sub-tick, so it has its own plan (``backward_plan`` of
+  ``distca.core_attention``, resend mode).
+- **TickGPipe.** ``M + P - 1`` forward sub-ticks, then ``M + P - 1`` backward sub-ticks in reverse
+  micro-batch order, so backward sub-tick ``u`` holds the pairs of forward sub-tick
+  ``M + P - 2 - u`` and reuses its plan. Holds all ``M`` micro-batches.
+- **Idle stages serve.** A stage with no micro-batch in a sub-tick runs ``distca.serve_idle`` once
+  per layer on the sub-tick's plans, where its rows are padding: it only serves the other stages'
+  tasks, with no autograd graph, in the order the active stages' calls run.
+- **No cross-waits.** Activations and gradients travel with ``torch.distributed.pipelining``'s P2P
+  operations: a sub-tick's receives are waited before its first core attention call, its sends are
+  posted after its last one and waited at the end of the step. Every rank runs the same number of
+  core attention calls per sub-tick (stages hold equal layers), so a rank blocked on a P2P receive
+  never has a peer blocked on it in an all-to-all: the sender posted that send before it entered
+  the collectives this rank has already finished.
 
-Without CAD across stages (``across_stages = false``, or CAD off) ``TickGPipe`` is a plain
-tick-ordered GPipe; torch's own ``GPipe`` and ``1F1B`` work too.
+Without CAD across stages (``across_stages = false``, or CAD off) both are plain tick-ordered
+schedules; torch's own ``GPipe`` and ``1F1B`` work too.
 
 :func:`pipelining_fn` is the TrainSpec hook: torchtitan's ``pipeline_llm`` splits the model and
 builds the stages, then the schedule is replaced. :func:`run_microbatches` runs one batch of
@@ -31,65 +37,90 @@ micro-batches with their own keyword arguments (positions, plans), which torchti
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import logging
+from typing import Any, Callable, Literal
 
 import torch
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _sorted_batch_p2p, _wait_batch_p2p
 
-from torchtitan_ext.config import TICK_SCHEDULE
+from torchtitan_ext.config import TICK_SCHEDULES
 
-__all__ = ["TickGPipe", "IdleServer", "pipelining_fn", "run_microbatches", "stage_layers", "tick_order"]
+__all__ = [
+    "TickSchedule", "Tick1F1B", "TickGPipe", "SubTick", "idle_server", "microbatch_ticks", "pipelining_fn",
+    "run_ca_step", "run_microbatches", "stage_layers", "stage_ticks", "tick_assignments",
+]
+
+logger = logging.getLogger(__name__)
+
+Kind = Literal["F", "B"]
 
 
-def tick_order(microbatches: int, stages: int, stage: int) -> tuple[list[int | None], list[int | None]]:
-    """Micro-batch of ``stage`` in each forward tick and each backward tick (None: idle).
+@dataclasses.dataclass(frozen=True)
+class SubTick:
+    """One sub-tick of one stage: ``kind`` "F" (forward) or "B" (backward), the index of the plan
+    it runs on among the step's ``kind`` plans (for ``TickGPipe``'s backward: the forward plan it
+    mirrors), and the micro-batch (None: idle, the stage serves)."""
+
+    kind: Kind
+    plan: int
+    microbatch: int | None
+
+
+def tick_assignments(schedule: str, microbatches: int, stages: int) -> tuple[list[list[int | None]], list[list[int | None]]]:
+    """The micro-batch of every stage in each forward sub-tick and in each backward sub-tick that
+    has a plan of its own (None: idle); ``TickGPipe``'s backward reuses the forward plans: [].
 
     Example:
-        >>> tick_order(3, 2, 1)
-        ([None, 0, 1, 2], [2, 1, 0, None])
+        >>> tick_assignments("Tick1F1B", 3, 2)
+        ([[0, None], [1, 0], [2, 1], [None, 2]], [[None, None], [None, 0], [0, 1], [1, 2]])
     """
-    n = microbatches + stages - 1
-    fwd = [t - stage if 0 <= t - stage < microbatches else None for t in range(n)]
-    return fwd, fwd[::-1]
+    M, P = microbatches, stages
+
+    def at(x: int) -> int | None:
+        return x if 0 <= x < M else None
+
+    if schedule == "TickGPipe":
+        return [[at(t - s) for s in range(P)] for t in range(M + P - 1)], []
+    if schedule == "Tick1F1B":
+        n = M + 2 * P - 2
+        return [[at(k - s) for s in range(P)] for k in range(n)], [[at(k - 2 * P + 2 + s) for s in range(P)] for k in range(n)]
+    raise ValueError(f"schedule must be one of {list(TICK_SCHEDULES)}, got {schedule!r}")
 
 
-class IdleServer:
-    """What an idle stage runs in a tick: one core attention call per layer on placeholder rows
-    (padding in the tick's plan), so it serves the other stages' tasks; and their backward.
+def stage_ticks(schedule: str, microbatches: int, stages: int, stage: int) -> list[SubTick]:
+    """Stage ``stage``'s sub-ticks in order (see the module docstring).
 
-    ``layers`` calls are chained (each call's queries are the previous call's output) so the
-    backward replays them in reverse order, as the active stages' layers do.
+    Example:
+        >>> [(t.kind, t.plan, t.microbatch) for t in stage_ticks("Tick1F1B", 2, 2, 1)]
+        [('F', 0, None), ('B', 0, None), ('F', 1, 0), ('B', 1, 0), ('F', 2, 1), ('B', 2, 1)]
     """
-
-    def __init__(self, layers: int, rows: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, backend: str | None = None) -> None:  # fmt: skip
-        self.layers, self.rows, self.heads, self.kv_heads, self.head_dim = layers, rows, heads, kv_heads, head_dim
-        self.dtype, self.device, self.backend = dtype, device, backend
-
-    def forward(self, step) -> torch.Tensor:
-        """Serve ``layers`` calls of ``step`` (a one-plan ``StepPlan``); returns the chain's end."""
-        import distca
-
-        x = torch.zeros(self.rows, self.heads, self.head_dim, dtype=self.dtype, device=self.device, requires_grad=True)
-        kv = torch.zeros(self.rows, self.kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
-        for _ in range(self.layers):
-            # k and v depend on x too, so every call's backward waits for the next call's.
-            k = v = kv + x[:, : self.kv_heads] * 0
-            x = distca.core_attention(x, k, v, None, plan=step.plans[0], mode=step.mode, backend=self.backend)
-        return x
-
-    @staticmethod
-    def backward(out: torch.Tensor) -> None:
-        """The backward of a :meth:`forward` chain (zero gradients; it serves the others' backward)."""
-        out.backward(torch.zeros_like(out))
+    fwd, bwd = tick_assignments(schedule, microbatches, stages)
+    if schedule == "TickGPipe":
+        n = len(fwd)
+        return [SubTick("F", t, fwd[t][stage]) for t in range(n)] + [
+            SubTick("B", n - 1 - u, fwd[n - 1 - u][stage]) for u in range(n)
+        ]  # fmt: skip
+    return [st for k in range(len(fwd)) for st in (SubTick("F", k, fwd[k][stage]), SubTick("B", k, bwd[k][stage]))]
 
 
-class TickGPipe(PipelineScheduleSingle):
-    """Tick-synchronous GPipe with the backward in reverse micro-batch order (module docstring).
+def microbatch_ticks(schedule: str, stages: int, stage: int, microbatch: int) -> tuple[int, int | None]:
+    """(forward plan, backward plan or None: the forward's) of ``microbatch`` on ``stage``."""
+    if schedule == "Tick1F1B":
+        return microbatch + stage, microbatch + 2 * stages - 2 - stage
+    return microbatch + stage, None
+
+
+class TickSchedule(PipelineScheduleSingle):
+    """A tick-synchronous single-stage schedule (module docstring); subclasses name the order.
 
     Use :func:`run_microbatches` to run it: each micro-batch gets its own keyword arguments, and
-    ``idle`` (an :class:`IdleServer` plus the per-tick plans) makes idle ticks serve.
+    ``idle(kind, plan)`` runs what an idle stage does in a sub-tick. :attr:`peak_in_flight` is the
+    most micro-batches whose activations the stage held at once in the last step (torch's
+    ``fwd_cache``, which keeps each until its backward).
     """
+
+    schedule_name: str = ""
+    peak_in_flight: int = 0
 
     def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
                            return_outputs=True, loss_kwargs=None, idle=None):  # fmt: skip
@@ -97,37 +128,49 @@ class TickGPipe(PipelineScheduleSingle):
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         first_target = target_mbs[0] if target_mbs is not None else None
         self._initialize_stage(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
-        fwd, bwd = tick_order(self._n_microbatches, self._num_stages, stage.stage_index)
-        served: dict[int, torch.Tensor] = {}
+        ticks = stage_ticks(self.schedule_name, self._n_microbatches, self._num_stages, stage.stage_index)
+        if not self._has_backward:  # forward only (validation): every stage skips every backward sub-tick
+            ticks = [t for t in ticks if t.kind == "F"]
+        last = self._n_microbatches - 1 if self.schedule_name == "Tick1F1B" else 0  # the last backward's micro-batch
         sends = []
-        for t, m in enumerate(fwd):
+        self.peak_in_flight = 0
+        for t in ticks:
+            m = t.microbatch
             if m is None:
                 if idle is not None:
-                    served[t] = idle[0].forward(idle[1](t))
+                    idle(t.kind, t.plan)
                 continue
-            for work in _sorted_batch_p2p(stage.get_fwd_recv_ops(m), desc="fwd_recv").values():
-                _wait_batch_p2p(work)
-            out = stage.forward_one_chunk(m, arg_mbs[m], kwarg_mbs[m], save_forward_output=return_outputs)
-            sends.extend(_sorted_batch_p2p(stage.get_fwd_send_ops(m), desc="fwd_send").values())
-            self._maybe_compute_loss(stage, out, target_mbs, m, loss_kwargs)
-        for work in sends:
-            _wait_batch_p2p(work)
-        sends = []
-        n_ticks = len(fwd)
-        for u, m in enumerate(bwd):
-            if m is None:
-                t = n_ticks - 1 - u  # the forward tick this backward tick mirrors
-                if t in served:
-                    IdleServer.backward(served.pop(t))
-                continue
-            for work in _sorted_batch_p2p(stage.get_bwd_recv_ops(m), desc="bwd_recv").values():
-                _wait_batch_p2p(work)
-            stage.backward_one_chunk(m, loss=self._maybe_get_loss(stage, m), last_backward=m == 0)
-            sends.extend(_sorted_batch_p2p(stage.get_bwd_send_ops(m), desc="bwd_send").values())
+            if t.kind == "F":
+                for work in _sorted_batch_p2p(stage.get_fwd_recv_ops(m), desc="fwd_recv").values():
+                    _wait_batch_p2p(work)
+                out = stage.forward_one_chunk(m, arg_mbs[m], kwarg_mbs[m], save_forward_output=return_outputs)
+                sends.extend(_sorted_batch_p2p(stage.get_fwd_send_ops(m), desc="fwd_send").values())
+                self._maybe_compute_loss(stage, out, target_mbs, m, loss_kwargs)
+                self.peak_in_flight = max(self.peak_in_flight, len(stage.fwd_cache))
+            else:
+                for work in _sorted_batch_p2p(stage.get_bwd_recv_ops(m), desc="bwd_recv").values():
+                    _wait_batch_p2p(work)
+                stage.backward_one_chunk(m, loss=self._maybe_get_loss(stage, m), last_backward=m == last)
+                sends.extend(_sorted_batch_p2p(stage.get_bwd_send_ops(m), desc="bwd_send").values())
         for work in sends:
             _wait_batch_p2p(work)
         self._update_losses(stage, losses)
-        stage.perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)
+        if self._has_backward:
+            stage.perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)
+
+
+class Tick1F1B(TickSchedule):
+    """The paper's tick-synchronous 1F1B (module docstring): separate backward plans, at most
+    ``2(P - s) - 1`` micro-batches in flight on stage ``s``."""
+
+    schedule_name = "Tick1F1B"
+
+
+class TickGPipe(TickSchedule):
+    """Tick-synchronous GPipe with the backward in reverse micro-batch order (module docstring):
+    one plan per forward/backward sub-tick pair, all ``M`` micro-batches in flight."""
+
+    schedule_name = "TickGPipe"
 
 
 def run_microbatches(
@@ -137,27 +180,89 @@ def run_microbatches(
     target_mbs: list[torch.Tensor] | None,
     losses: list | None,
     loss_kwargs: dict[str, Any] | None = None,
-    idle: tuple[IdleServer, Callable[[int], Any]] | None = None,
+    idle: Callable[[str, int], None] | None = None,
     init_kwargs: dict[str, Any] | None = None,
+    forward_only: bool = False,
 ) -> None:
     """One step of ``schedule`` over micro-batches that each have their own arguments.
 
-    What ``schedule.step`` does, minus its splitting (which would give every micro-batch the same
-    non-tensor keyword arguments).
+    What ``schedule.step`` (or ``schedule.eval``, with ``forward_only``) does, minus its splitting
+    (which would give every micro-batch the same non-tensor keyword arguments).
 
     Args:
-        idle: ``(server, plan_of_tick)`` for :class:`TickGPipe`: idle ticks serve.
+        idle: for a :class:`TickSchedule`, ``idle(kind, plan)``: what an idle stage runs in a sub-tick.
         init_kwargs: keyword arguments for torch's one-off stage set-up, which runs a real forward
             and backward per stage, stage after stage (shape inference over P2P); they must not
             make the stages communicate otherwise (default: ``kwarg_mbs[0]``).
+        forward_only: run the forward sub-ticks only (validation, under ``no_grad``).
     """
     stage = schedule._stage
-    stage.has_backward = schedule._has_backward
-    stage.clear_runtime_states()
-    target0 = target_mbs[0] if target_mbs is not None else None
-    schedule._initialize_stage(arg_mbs[0], init_kwargs if init_kwargs is not None else kwarg_mbs[0], target0, loss_kwargs)
-    kw = {"idle": idle} if isinstance(schedule, TickGPipe) else {}
-    schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, False, loss_kwargs=loss_kwargs, **kw)
+    has_backward = schedule._has_backward
+    schedule._has_backward = stage.has_backward = has_backward and not forward_only
+    try:
+        stage.clear_runtime_states()
+        target0 = target_mbs[0] if target_mbs is not None else None
+        init = init_kwargs if init_kwargs is not None else kwarg_mbs[0]
+        schedule._initialize_stage(arg_mbs[0], init, target0, loss_kwargs)
+        kw = {"idle": idle} if isinstance(schedule, TickSchedule) else {}
+        schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, False, loss_kwargs=loss_kwargs, **kw)
+    finally:
+        schedule._has_backward = stage.has_backward = has_backward
+
+
+def run_ca_step(
+    schedule: PipelineScheduleSingle,
+    planner: Any,
+    step: Any,
+    inputs: torch.Tensor,
+    positions: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    first: bool,
+    last: bool,
+    scale: float,
+    idle: Callable[[str, int], None] | None,
+    forward_only: bool = False,
+) -> list | None:
+    """One step of CA micro-batches (rows of ``inputs`` [M, T]) through ``schedule``: each gets its
+    positions and its part of ``step`` (a ``torchtitan_ext.planning.StepPlan``, from ``planner``'s
+    ``microbatch_plans``); the losses are ``sum * scale``. Returns the micro-batch losses on the
+    last stage, else None. Used by the trainer and, ``forward_only``, by the validator."""
+    from torchtitan_ext.planning import StepPlan
+
+    M = inputs.shape[0]
+    arg_mbs = [(inputs[i : i + 1],) for i in range(M)] if first else [()] * M
+    kwarg_mbs = [
+        {"positions": positions[i : i + 1], "attention_masks": step.part(*planner.microbatch_plans(i))} for i in range(M)
+    ]  # fmt: skip
+    targets = [labels[i : i + 1] for i in range(M)] if last else None
+    losses: list | None = [] if last else None
+    run_microbatches(
+        schedule, arg_mbs, kwarg_mbs, targets, losses, {"scale": scale}, idle=idle,
+        init_kwargs={**kwarg_mbs[0], "attention_masks": StepPlan.shapes_only()}, forward_only=forward_only,
+    )  # fmt: skip
+    return losses
+
+
+def idle_server(step: Any, planner: Any, layers: int, device: torch.device) -> Callable[[str, int], None]:
+    """What a stage runs in a sub-tick without a micro-batch: ``distca.serve_idle`` once per layer
+    (``layers``: the stage's) on the sub-tick's plans in ``step`` (``TickGPipe``'s backward
+    sub-ticks reuse the forward ones'), in the order the active stages' blocks run their calls."""
+    import distca
+    from torchtitan_ext.layers import interleaves
+    from torchtitan_ext.planning import StepPlan
+
+    backend = None if planner.cfg.backend == "auto" else planner.cfg.backend
+    gpipe = planner.schedule == "TickGPipe"
+
+    def idle(kind: str, k: int) -> None:
+        plans = step.group(k if kind == "F" or gpipe else step.forward_groups + k)
+        # As the active stages decide (layers.interleaves): by the tick's plans under TickGPipe.
+        interleave = interleaves(StepPlan(plans, (), step.mode, step.pingpong)) if gpipe else step.pingpong
+        for _ in range(layers):
+            distca.serve_idle(plans, device=device, backward=kind == "B", interleave=interleave, backend=backend)
+
+    return idle
 
 
 def scaled_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -177,7 +282,8 @@ def stage_layers(model_part: torch.nn.Module) -> int:
 
 
 def pipelining_fn(model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn):
-    """TrainSpec ``pipelining_fn``: torchtitan's ``pipeline_llm``, with ``"TickGPipe"`` resolved here.
+    """TrainSpec ``pipelining_fn``: torchtitan's ``pipeline_llm``, with ``"Tick1F1B"`` and ``"TickGPipe"``
+    resolved here.
 
     The micro-batch loss is :func:`scaled_loss` (the trainer passes ``scale``). Raises on every
     rank before any collective when the stages would hold unequal numbers of layers and a CA
@@ -207,7 +313,7 @@ def pipelining_fn(model, parallel_dims, job_config, device, model_args, parallel
             f"{par.pipeline_parallel_last_stage_less_layers}); set those two to 0 or choose n_layers divisible by "
             "pipeline_parallel_degree, or set parallelism.module_fqns_per_model_part"
         )
-    tick = name == TICK_SCHEDULE
+    tick = name in TICK_SCHEDULES
     if tick:  # torchtitan resolves schedule names through torch; split with GPipe's shape, then replace
         job_config = dataclasses.replace(job_config, parallelism=dataclasses.replace(
             par, pipeline_parallel_schedule="GPipe", module_fqns_per_model_part=fqns))  # fmt: skip
@@ -215,6 +321,11 @@ def pipelining_fn(model, parallel_dims, job_config, device, model_args, parallel
         model, parallel_dims, job_config, device, model_args, parallelize_fn, scaled_loss(loss_fn)
     )
     if tick:
-        schedule = TickGPipe(schedule._stage, n_microbatches=schedule._n_microbatches,
-                             loss_fn=schedule._loss_fn, scale_grads=False)  # fmt: skip
+        cls = Tick1F1B if name == "Tick1F1B" else TickGPipe
+        schedule = cls(schedule._stage, n_microbatches=schedule._n_microbatches,
+                       loss_fn=schedule._loss_fn, scale_grads=False)  # fmt: skip
+        logger.info(
+            "pipeline schedule %s (torchtitan_ext.pipeline): %d micro-batches, %d stages, CA across stages: %s",
+            name, schedule._n_microbatches, schedule._num_stages, "yes" if across else "no",
+        )  # fmt: skip
     return schedule, parts, first, last

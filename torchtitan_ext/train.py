@@ -37,7 +37,8 @@ from torchtitan.train import Trainer, main  # noqa: E402
 
 from torchtitan_ext import data, pipeline, report  # noqa: E402
 from torchtitan_ext.config import nano_batches, validate_job  # noqa: E402
-from torchtitan_ext.converter import StepPlan, planner_of  # noqa: E402
+from torchtitan_ext.converter import planner_of  # noqa: E402
+from torchtitan_ext.planning import StepPlan  # noqa: E402
 from torchtitan_ext.data import pop_layout  # noqa: E402
 from torchtitan_ext.validate import build_ca_validator  # noqa: E402
 
@@ -60,7 +61,7 @@ def _ca_degree(job_config, dp_world_size: int) -> int:
 def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **kwargs):
     """TrainSpec ``build_dataloader_fn``: the CA loader for torchtitan_ext datasets.
 
-    A CA group is ``degree`` consecutive batch ranks (``torchtitan_ext.converter.build_ca_mesh``),
+    A CA group is ``degree`` consecutive batch ranks (``torchtitan_ext.ca_mesh.build_ca_mesh``),
     so this rank's CA rank is ``dp_rank % degree``. With core attention off every rank is its
     own group of 1 (same documents and packing, no cross-rank documents).
     """
@@ -70,8 +71,8 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **
     seed = job_config.debug.seed if job_config.debug.seed is not None else 0
     cfg = getattr(job_config, "core_attention", None)
     n_nano = nano_batches(cfg) if cfg is not None else 1
-    # Pipeline parallelism: each item is local_batch_size micro-batches, one row each.
-    micro = job_config.training.local_batch_size if n_nano == 1 else 1
+    # Pipeline parallelism: each item is local_batch_size micro-batches, one row each (1 without PP).
+    micro = job_config.training.local_batch_size
     return data.build_ca_dataloader(
         job_config, tokenizer, dp_rank, dp_world_size, dp_rank % degree, degree, job_config.training.seq_len,
         seed=seed, nano_batches=n_nano, microbatches=micro,
@@ -90,13 +91,15 @@ def parallelize(model, parallel_dims, job_config):
 
 
 def register_train_spec() -> None:
-    """Register ``"llama3_ca"`` (idempotent)."""
+    """Register ``"llama3_ca"`` (idempotent): llama3's flavors plus ``"debugmodel_8l"``, the debug
+    model with 8 layers (2 per stage at pp 4: the stages of a CA group across stages hold equal layers)."""
     if TRAIN_SPEC not in ts._extra_train_specs:
         spec = ts.get_train_spec("llama3")
+        flavors = {**spec.model_args, "debugmodel_8l": dataclasses.replace(spec.model_args["debugmodel"], n_layers=8)}
         ts.register_train_spec(
             TRAIN_SPEC,
             dataclasses.replace(
-                spec, build_dataloader_fn=build_dataloader, parallelize_fn=parallelize,
+                spec, model_args=flavors, build_dataloader_fn=build_dataloader, parallelize_fn=parallelize,
                 build_validator_fn=build_ca_validator, pipelining_fn=pipeline.pipelining_fn,
             ),  # fmt: skip
         )
@@ -159,15 +162,15 @@ class CoreAttentionTrainer(Trainer):
         """(layout key, planning future) of the next item, planned before it is drawn."""
         self._step_plans: list[StepPlan] = []
         """This step's micro-batch plans, dropped (freeing the plans) when the step is logged."""
-        self._idle: pipeline.IdleServer | None = None
-        """With a CA group across pipeline stages: what this stage runs in the ticks it has no micro-batch."""
+        self._in_flight: int | None = None
+        """Under a tick schedule: the most micro-batches this stage held at once in the last step."""
         if self.ca is not None and self.ca.stages > 1:
+            # Under a tick schedule every plan is agreed, call shape included, when it is bound (idle
+            # stages serve without calls of their own to agree at): the shape is the model's.
             sh, tr = self.ca.shape, job_config.training
             bf16 = self.parallel_dims.fsdp_enabled and tr.mixed_precision_param == "bfloat16"
-            self._idle = pipeline.IdleServer(
-                pipeline.stage_layers(self.model_parts[0]), tr.seq_len, sh.num_heads, sh.num_kv_heads, sh.head_dim,
-                torch.bfloat16 if bf16 else torch.float32, self.device,
-                None if self.ca.cfg.backend == "auto" else self.ca.cfg.backend,
+            self.ca.spec = distca.CallSpec(
+                sh.num_heads, sh.num_kv_heads, sh.head_dim, torch.bfloat16 if bf16 else torch.float32, self.ca.cfg.mode
             )  # fmt: skip
 
     # ---- planning ahead --------------------------------------------------------------------------
@@ -228,22 +231,21 @@ class CoreAttentionTrainer(Trainer):
             return loss
         inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(input_dict, labels)
         step: StepPlan = extra_kwargs["attention_masks"]
-        positions = extra_inputs["positions"]
-        M, off = inputs.shape[0], self.ca.tick_offset
-        arg_mbs = [(inputs[i : i + 1],) for i in range(M)] if self.pp_has_first_stage else [()] * M
-        kwarg_mbs = [{"positions": positions[i : i + 1], "attention_masks": step.part(i + off)} for i in range(M)]
-        targets = [labels[i : i + 1] for i in range(M)] if self.pp_has_last_stage else None
-        losses: list | None = [] if self.pp_has_last_stage else None
         with self.train_context():
-            pipeline.run_microbatches(
-                self.pp_schedule, arg_mbs, kwarg_mbs, targets, losses, {"scale": 1.0 / global_valid_tokens},
-                idle=(self._idle, step.part) if self._idle is not None else None,
-                init_kwargs={**kwarg_mbs[0], "attention_masks": StepPlan.shapes_only()},
+            losses = pipeline.run_ca_step(
+                self.pp_schedule, self.ca, step, inputs, extra_inputs["positions"], labels,
+                first=self.pp_has_first_stage, last=self.pp_has_last_stage, scale=1.0 / global_valid_tokens,
+                idle=self._idle_stage(step) if self.ca.stages > 1 else None,
             )  # fmt: skip
         self._check_step()
+        self._in_flight = getattr(self.pp_schedule, "peak_in_flight", None)
         if self.pp_has_last_stage:
             return torch.sum(torch.stack(losses)).to(self.device)
         return torch.tensor([-1.0], device=self.device)
+
+    def _idle_stage(self, step: StepPlan):
+        """What this stage runs in a sub-tick without a micro-batch (:func:`torchtitan_ext.pipeline.idle_server`)."""
+        return pipeline.idle_server(step, self.ca, pipeline.stage_layers(self.model_parts[0]), self.device)
 
     def _check_step(self) -> None:
         """The step boundary, after the last backward and before gradient clipping and the
@@ -288,6 +290,9 @@ class CoreAttentionTrainer(Trainer):
             )
         if all(t is not None for t in times):
             row.update({"ca/attn_fwd_s": sum(t[0] for t in times), "ca/attn_bwd_s": sum(t[1] for t in times)})
+        in_flight = self._in_flight
+        if in_flight is not None:  # a tick schedule: micro-batches whose activations this stage held at once
+            row["pp/in_flight_microbatches"] = float(in_flight)
         if self.ca.nano_batches > 1:
             # Host time blocked on CA exchanges: what ping-pong did not hide (0 on CUDA, see distca.exchange).
             row["ca/exposed_comm_s"] = sum(sp.exchange_wait_seconds for sp in steps)
@@ -322,6 +327,7 @@ class CoreAttentionTrainer(Trainer):
                 f"bytes/layer fwd {row['ca/fwd_MiB_per_layer']:.2f} MiB bwd {row['ca/bwd_MiB_per_layer']:.2f} MiB "
                 f"(x{n_layers} layers)  plan {row['ca/plan_ms']:.1f} ms (exposed {row['ca/exposed_plan_ms']:.1f} ms)  "
                 f"{attn}  docs {row['ca/docs']:.0f}"
+                + (f"  stage {self.ca.stage} held {in_flight} micro-batches at once" if in_flight is not None else "")
             )
 
     def train(self) -> None:
