@@ -438,13 +438,15 @@ def _placeholders(dp: DispatchPlan, device: torch.device, requires_grad: bool = 
 
 def _admit(
     dp: DispatchPlan, q, k, v, mode: object, err: str | None = None, requires_grad: bool = False,
-    backward: DispatchPlan | None = None,
+    backward: DispatchPlan | None = None, count: bool = True,
 ) -> _Admitted:  # fmt: skip
     """Admit one forward call on ``dp``: agree if the plan needs it (raising on every rank on any
     error), else check locally. A call rejected locally is *carried*: its error is kept for
     :func:`check`, logged, and the exchange runs on zero placeholders of the bound shape
     (``requires_grad`` as given), so the peers' collectives all find their partner.
-    ``backward``: the plan the call's backward runs on, if not ``dp`` (:func:`_backward_error`)."""
+    ``backward``: the plan the call's backward runs on, if not ``dp`` (:func:`_backward_error`).
+    ``count``: count the call for :func:`check` here (False: the caller's op counts it when it runs,
+    so that a recompute that replays a saved op does not count it twice)."""
     st = dp._state
     if err is None:
         err = _call_error(dp, q, k, v, None, mode)
@@ -455,10 +457,10 @@ def _admit(
         if st.spec is None:
             st.spec = CallSpec.of(q, k, mode)
         st.agreed = True
-        st.forward_calls += 1
+        st.forward_calls += count
         _bind_backward(dp, backward)
         return _Admitted(q, k, v, mode, False)  # type: ignore[arg-type]
-    st.forward_calls += 1
+    st.forward_calls += count
     _bind_backward(dp, backward)
     if err is None:
         return _Admitted(q, k, v, mode, False)  # type: ignore[arg-type]

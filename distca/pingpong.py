@@ -115,7 +115,9 @@ def _flight(key: int) -> "Flight":
 def _start_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prev: torch.Tensor, key: int) -> torch.Tensor:
     """Home: send the exchanged rows; returns the phase token (an empty tensor). ``prev``: the
     chain's last token (orders the backward)."""
-    _flight(key).exchange.dispatch(q, k, v)
+    f = _flight(key)
+    f.exchange.dispatch(q, k, v)
+    f.plan._state.forward_calls += 1  # here, not in start(): a recompute replaying the saved op does not run this
     return q.new_empty(0)
 
 
@@ -226,7 +228,7 @@ def start(
         raise TypeError(f"after must be a distca.pingpong.Flight or None, got {type(after).__name__}")
     _, bdp = _resolve_backward_plan(backward_plan, plan.handle, plan, None, mode)
     grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v))
-    a = _admit(plan, q, k, v, mode, requires_grad=grad, backward=bdp)
+    a = _admit(plan, q, k, v, mode, requires_grad=grad, backward=bdp, count=False)
     scale = a.q.shape[-1] ** -0.5 if softmax_scale is None or a.carried else softmax_scale
     dev = a.q.device
     be = kernels.select_backend(dev, backend)

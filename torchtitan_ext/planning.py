@@ -78,7 +78,8 @@ class PlannedBatch:
 
 
 def stage_layout(
-    cus: "list[list[int]]", contexts: "list[tuple]", assignment: "list[int | None]", ranks: int, tokens_per_rank: int
+    cus: "list[list[int]]", contexts: "list[tuple]", assignment: "list[int | None]", ranks: int, tokens_per_rank: int,
+    kv_prefix: bool = False,
 ) -> "distca.Layout":  # fmt: skip
     """One sub-tick's layout of a CA group spanning ``len(assignment)`` pipeline stages (pure).
 
@@ -86,7 +87,7 @@ def stage_layout(
     documents it continues from the layout before it (``distca.Layout.context``, () for none).
     Group rank ``s * ranks + j`` holds rank ``j``'s rows of micro-batch ``assignment[s]``, or
     placeholder rows (one padding document per rank, ``distca.Layout.padding``) when it is None;
-    documents never cross stages.
+    documents never cross stages. ``kv_prefix``: ``distca.Layout.kv_prefix``.
 
     Example:
         >>> stage_layout([[0, 3, 4], [0, 4]], [(), ()], [1, 0], 1, 4).cu_seqlens
@@ -106,7 +107,9 @@ def stage_layout(
         first = len(bounds) - 1  # the micro-batch's document 0 in the stacked layout
         context.extend((first + d, n, base + end) for d, n, end in contexts[m])
         bounds.extend(base + x for x in cus[m][1:])
-    return distca.Layout(tuple(bounds), len(assignment) * ranks, tokens_per_rank, tuple(context), tuple(padding))
+    return distca.Layout(
+        tuple(bounds), len(assignment) * ranks, tokens_per_rank, tuple(context), tuple(padding), kv_prefix
+    )  # fmt: skip
 
 
 def tick_layouts(
@@ -117,6 +120,9 @@ def tick_layouts(
     the backward sub-ticks' that have their own plan (``torchtitan_ext.pipeline.tick_assignments``),
     each as ``nano_batches`` layouts in a row. ``cu_seqlens[m * nano_batches + j]`` is nano-batch
     ``j`` of micro-batch ``m`` over one stage's ``ranks`` ranks, ``contexts`` likewise (None: none).
+    Layouts of nano-batch 1 take nano-batch 0's K/V rows whether or not a document continues
+    (``distca.Layout.kv_prefix``): a backward sub-tick's plan must take the K/V its micro-batch's
+    forward sub-tick took, and the two group other micro-batches.
 
     Example:
         >>> [(lay.cu_seqlens, lay.padding) for lay in tick_layouts([[0, 3, 4], [0, 4]], 2, 1, 4, "TickGPipe")]
@@ -131,7 +137,8 @@ def tick_layouts(
     ctxs = [() if c is None else tuple(map(tuple, torch.as_tensor(c).reshape(-1, 3).tolist())) for c in (contexts or [None] * len(cus))]
     fwd, bwd = tick_assignments(schedule, len(cus) // n, stages)
     return [
-        stage_layout(cus[j::n], ctxs[j::n], assign, ranks, tokens_per_rank) for assign in fwd + bwd for j in range(n)
+        stage_layout(cus[j::n], ctxs[j::n], assign, ranks, tokens_per_rank, kv_prefix=j > 0)
+        for assign in fwd + bwd for j in range(n)
     ]  # fmt: skip
 
 

@@ -91,7 +91,7 @@ class Plan:
         lay = self.layout
         h = hashlib.sha256()
         # Section lengths first, so that no two layouts hash the same bytes.
-        sizes = [lay.ranks, lay.tokens_per_rank, lay.num_docs, len(lay.context), len(lay.padding), self.num_tasks]
+        sizes = [lay.ranks, lay.tokens_per_rank, lay.num_docs, len(lay.context), len(lay.padding), self.num_tasks, lay.kv_rows]
         h.update(np.asarray(sizes, dtype=np.int64).tobytes())
         h.update(lay.cu_array.tobytes())
         h.update(np.asarray(lay.context, dtype=np.int64).tobytes())
@@ -114,6 +114,7 @@ class Plan:
                 "cu_seqlens": list(self.layout.cu_seqlens),
                 "context": [list(c) for c in self.layout.context],
                 "padding": list(self.layout.padding),
+                "kv_prefix": self.layout.kv_prefix,
                 "policy": self.policy,
                 "tasks": self.tasks.tolist(),
                 "shape": vars(self.shape),
@@ -132,7 +133,7 @@ class Plan:
         d = json.loads(text)
         layout = Layout(
             tuple(d["cu_seqlens"]), d["ranks"], d["tokens_per_rank"],
-            tuple(map(tuple, d.get("context", ()))), tuple(d.get("padding", ())),
+            tuple(map(tuple, d.get("context", ()))), tuple(d.get("padding", ())), bool(d.get("kv_prefix", False)),
         )  # fmt: skip
         t = np.asarray(d["tasks"], dtype=np.int64).reshape(-1, 4)
         return build_plan(
