@@ -100,10 +100,12 @@ def place(
     Example:
         >>> from distca import place
         >>> p = place([3000, 200, 300, 2500, 100, 100, 1800], ranks=2, tokens_per_rank=4000)
-        >>> [lay.cu_seqlens for lay in p.layouts]
-        [(0, 3000, 3200, 4100, 6600, 6700, 8000)]
-        >>> p.order[0].tolist(), round(p.imbalance, 2)
-        ([0, 1, 6, 3, 4, 5, 2], 1.04)
+        >>> p.order[0].tolist()  # the loader's documents in their new order
+        [0, 2, 6, 1, 3, 4, 5]
+        >>> p.layouts[0].cu_seqlens  # document 6 (1800 tokens) is cut at the rank boundary
+        (0, 3000, 3300, 5100, 5300, 7800, 7900, 8000)
+        >>> round(p.imbalance, 2)
+        1.02
     """
     from distca.planner import _resolve_cost, _resolve_shape
 
@@ -271,40 +273,21 @@ def _lpt(items, lens, work, cap, base, fill_work, fill_tok, min_round):
 
 
 def _split_exact(pour: np.ndarray, lens: np.ndarray, need: np.ndarray) -> list[np.ndarray] | None:
-    """Split the documents ``pour`` (in order) into groups with exactly ``need[m]`` tokens each:
-    in order while they fit, then the largest that still fits (best fit); None if some group
-    cannot be made exact."""
-    left = list(pour.tolist())
-    parts = []
-    for m, want in enumerate(need.tolist()):
-        if m == need.size - 1:
-            if sum(int(lens[d]) for d in left) != want:
-                return None
-            parts.append(np.asarray(left, dtype=np.int64))
-            break
-        ln = lens[np.asarray(left, dtype=np.int64)] if left else np.zeros(0, np.int64)
-        c = np.cumsum(ln)
-        k = int(np.searchsorted(c, want, side="right"))
-        take, rest = left[:k], left[k:]
-        gap = want - (int(c[k - 1]) if k else 0)
-        if gap:
-            rl = lens[np.asarray(rest, dtype=np.int64)]
-            o = np.argsort(-rl, kind="stable")
-            picked = []
-            for j in o.tolist():
-                if rl[j] <= gap:
-                    picked.append(j)
-                    gap -= int(rl[j])
-                    if not gap:
-                        break
-            if gap:
-                return None
-            pk = set(picked)
-            take += [rest[j] for j in sorted(picked)]
-            rest = [d for j, d in enumerate(rest) if j not in pk]
-        parts.append(np.asarray(take, dtype=np.int64))
-        left = rest
-    return parts
+    """Split the documents ``pour`` into groups of exactly ``need[m]`` tokens: longest first, each
+    to the group that still needs the most (the shortest documents close the last gaps); None if
+    some group cannot be made exact. Within a group the documents keep their order in ``pour``."""
+    left = need.astype(np.int64).tolist()
+    group = np.empty(pour.size, dtype=np.int64)
+    pl = lens[pour]
+    for j in np.argsort(-pl, kind="stable").tolist():
+        m = max(range(len(left)), key=left.__getitem__)
+        if left[m] < pl[j]:
+            return None
+        group[j] = m
+        left[m] -= int(pl[j])
+    if any(left):
+        return None
+    return [pour[group == m] for m in range(need.size)]
 
 
 def _emit(lens, pour, R, T, s0, long_at, items, item_slot) -> np.ndarray:
