@@ -7,7 +7,7 @@ every layer's core attention on the planned attention servers.
 from distca.api import CallSpec, CoreAttention, DispatchPlan, check, core_attention, prepare, serve_idle
 from distca.cost import MODEL_SHAPES, CostModel, ModelShape, causal_pairs, load_cost_model
 from distca.layout import Layout, split_nano_batches
-from distca.planner import POLICIES, Plan, plan
+from distca.planner import POLICIES, Placement, Plan, place, plan
 
 __all__ = [
     # the op
@@ -23,6 +23,8 @@ __all__ = [
     "split_nano_batches",
     "Plan",
     "plan",
+    "place",
+    "Placement",
     "POLICIES",
     # cost model
     "CostModel",

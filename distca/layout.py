@@ -316,8 +316,9 @@ class Layout:
         T = self.tokens_per_rank
         cu = self.cu_array
         bounds = np.arange(0, self.total_tokens + 1, T, dtype=np.int64)
-        # Cut points: document boundaries plus rank boundaries, deduplicated.
-        cuts = np.union1d(cu, bounds)
+        # Cut points: document boundaries plus rank boundaries, deduplicated (both are sorted: a
+        # merge, not np.union1d, whose hashing took 60 ms on 177K documents).
+        cuts = _merge_sorted(cu, bounds)
         g0, g1 = cuts[:-1], cuts[1:]
         doc = np.searchsorted(cu, g0, side="right") - 1
         rank = g0 // T
@@ -366,6 +367,15 @@ class Layout:
         s = self.segments
         lo, hi = np.searchsorted(s.rank, [rank, rank + 1])
         return np.concatenate([s.offset[lo:hi], [self.tokens_per_rank]]).astype(np.int64)
+
+
+def _merge_sorted(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Sorted union of two sorted int64 arrays without repeats within each (``np.union1d``)."""
+    c = np.concatenate([a, b])
+    c = c[np.argsort(c, kind="stable")]  # timsort: two sorted runs merge in linear time
+    keep = np.ones(c.size, dtype=bool)
+    keep[1:] = c[1:] != c[:-1]
+    return c[keep]
 
 
 def split_nano_batches(layout: Layout, order: Literal["stream", "rows"] = "stream") -> tuple[Layout, Layout]:

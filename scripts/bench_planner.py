@@ -5,9 +5,16 @@ Examples:
     python scripts/bench_planner.py --doclens prolong --ranks 256 --policy distca --policy greedy --json
     python scripts/bench_planner.py --batch-file batch.json --ranks 4 --tokens-per-rank 4096
     python scripts/bench_planner.py --doclens pretrain --ranks 512 --compare --repeats 7
+    python scripts/bench_planner.py --doclens pretrain --ranks 512 --placement balance --policy colocated  # pack
 
 With --json: one JSON object per policy per line (policy, ranks, tokens_per_rank, imbalance,
-pairs_imbalance, plan_ms, max_server_bytes, total_bytes, num_tasks, ...).
+pairs_imbalance, plan_ms, max_server_bytes, total_bytes, num_tasks, placement, place_ms, ...).
+
+``--placement balance`` reorders the batch's documents with :func:`distca.place` before any
+policy plans it (``pack`` = ``--placement balance --policy colocated``); ``place_ms`` is its
+wall time (median of ``--repeats``), ``plan_ms`` the planner's alone. ``--max-doc-tokens N``
+caps every document of the sampled pool at N tokens (e.g. T/4: no document holds more work
+than a rank's share).
 
 ``--compare``: distca against greedy at each of ``--tolerances``: bytes at the same tolerance, and
 at equal achieved balance (greedy re-planned at smaller tolerances until its max/mean is no higher
@@ -25,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distca import MODEL_SHAPES, POLICIES, Layout, plan
+from distca import MODEL_SHAPES, POLICIES, Layout, place, plan
 from distca.doclens import load_doclens, sample_doclens
 
 
@@ -77,10 +84,24 @@ def build_layout(args: argparse.Namespace) -> Layout:
             )
     else:
         pool = load_doclens(args.doclens)
+        if args.max_doc_tokens:
+            pool = np.minimum(pool, args.max_doc_tokens)
         lens = sample_doclens(
             pool, total, upsample=args.upsample, upsample_threshold=args.upsample_threshold, seed=args.seed
         )
     return Layout.from_doclens(lens, args.ranks, args.tokens_per_rank)
+
+
+def placed_layout(layout: Layout, args: argparse.Namespace) -> tuple[Layout, float]:
+    """``layout`` with ``args.placement`` applied, and the placement's median wall ms (0 for none)."""
+    if args.placement == "none":
+        return layout, 0.0
+    times = []
+    for _ in range(max(1, args.repeats)):
+        t0 = time.perf_counter()
+        p = place(layout.doc_lens, layout.ranks, layout.tokens_per_rank, cost_model=args.cost_model, shape=args.model)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return p.layouts[0], float(np.median(times))
 
 
 def _timed_plan(layout: Layout, policy: str, args: argparse.Namespace, tolerance: float):
@@ -135,7 +156,7 @@ def bytes_lower_bound(layout: Layout, max_load: float, shape: str, cost_model: s
 
 def compare(args: argparse.Namespace) -> list[dict]:
     """distca vs greedy per tolerance: same tolerance, equal achieved balance, and the lower bound."""
-    layout = build_layout(args)
+    layout, _ = placed_layout(build_layout(args), args)
     rows = []
     for tol in args.tolerances:
         ours, ours_ms = _timed_plan(layout, "distca", args, tol)
@@ -155,7 +176,7 @@ def compare(args: argparse.Namespace) -> list[dict]:
             "greedy_equal_balance_reached": bool(eq.imbalance <= ours.imbalance),
             "greedy_equal_balance_max_server_bytes": eq.traffic.max_server_bytes,
             "lower_bound_max_server_bytes": bytes_lower_bound(layout, float(ours.loads.max()), args.model, args.cost_model),
-            "repeats": args.repeats,
+            "repeats": args.repeats, "placement": args.placement,
         })  # fmt: skip
     return rows
 
@@ -180,7 +201,7 @@ def compare_table(rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    layout = build_layout(args)
+    layout, place_ms = placed_layout(build_layout(args), args)
     rows = []
     for policy in args.policy or list(POLICIES):
         p, plan_ms = _timed_plan(layout, policy, args, args.tolerance)
@@ -203,17 +224,19 @@ def run(args: argparse.Namespace) -> list[dict]:
                 "model": args.model,
                 "cost_model": args.cost_model,
                 "tolerance": args.tolerance,
+                "placement": args.placement,
+                "place_ms": round(place_ms, 2),
             }
         )
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'policy':<11} {'imbal':>7} {'pairs':>7} {'plan ms':>9} {'max srv MB':>11} {'total GB':>9} {'tasks':>8} {'min q':>6}"
+    head = f"{'policy':<11} {'place':<8} {'imbal':>7} {'pairs':>7} {'plan ms':>9} {'place ms':>9} {'max srv MB':>11} {'total GB':>9} {'tasks':>8} {'min q':>6}"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['policy']:<11} {r['imbalance']:>7.3f} {r['pairs_imbalance']:>7.3f} {r['plan_ms']:>9.1f} "
+            f"{r['policy']:<11} {r['placement']:<8} {r['imbalance']:>7.3f} {r['pairs_imbalance']:>7.3f} {r['plan_ms']:>9.1f} {r['place_ms']:>9.1f} "
             f"{r['max_server_bytes'] / 2**20:>11.1f} {r['total_bytes'] / 2**30:>9.2f} {r['num_tasks']:>8d} "
             f"{r['min_task_tokens']:>6d}"
         )
@@ -226,6 +249,9 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--doclens", default="pretrain", help="pretrain, prolong, or a JSON list file to sample from")
     src.add_argument("--batch-file", help="JSON list of document lengths used in order, cut at ranks*tokens")
     src.add_argument("--synthetic", choices=SYNTHETIC, help="a constructed batch (see synthetic_batch)")
+    ap.add_argument("--max-doc-tokens", type=int, default=None, help="cap every pool document at this many tokens")
+    ap.add_argument("--placement", choices=("none", "balance"), default="none",
+                    help="reorder documents with distca.place before planning (balance + colocated = pack)")
     ap.add_argument("--upsample", type=int, default=4, help="repeat documents >= threshold this many times")
     ap.add_argument("--upsample-threshold", type=int, default=16384)
     ap.add_argument("--seed", type=int, default=0)

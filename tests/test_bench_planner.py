@@ -114,3 +114,19 @@ def test_synthetic_batches(kind):
         assert lens[lens <= 512].sum() < total // 4  # ...but hold few of the tokens
     p = plan(Layout.from_doclens(lens, 16, 16384), tolerance=0.05, cost_model="h200")
     assert p.imbalance <= 1.02
+
+
+def test_placement_flag_rows_carry_placement():
+    """``--placement balance --policy colocated`` is ``pack``: the same tokens, reordered, and no
+    worse balanced than the loader's order on this batch."""
+    common = ("--doclens", "pretrain", "--ranks", "8", "--tokens-per-rank", "16384", "--policy", "colocated",
+              "--model", "debug", "--json", "--upsample", "1", "--max-doc-tokens", "4096")  # fmt: skip
+    rows = {}
+    for placement in ("none", "balance"):
+        r = run(*common, "--placement", placement)
+        assert r.returncode == 0, r.stderr
+        (row,) = [json.loads(line) for line in r.stdout.splitlines()]
+        assert row["placement"] == placement and "place_ms" in row
+        rows[placement] = row
+    assert rows["balance"]["imbalance"] < rows["none"]["imbalance"]
+    assert rows["balance"]["docs"] == rows["none"]["docs"]

@@ -36,9 +36,10 @@ from distca.cost import MODEL_SHAPES, CostModel, Mode, ModelShape, load_cost_mod
 from distca.layout import Layout
 from distca.planner import capacity, colocated, distca, greedy, per_doc_cp, wlb_cp
 from distca.planner.options import PlanOptions
+from distca.planner.placement import Placement, place
 from distca.planner.plans import Plan, build_plan, layer_seconds
 
-__all__ = ["Plan", "Policy", "POLICIES", "layer_seconds", "move_gain", "plan"]
+__all__ = ["Placement", "Plan", "Policy", "POLICIES", "layer_seconds", "move_gain", "place", "plan"]
 
 Policy = Literal["distca", "greedy", "per_doc_cp", "wlb_cp", "colocated"]
 POLICIES: tuple[str, ...] = get_args(Policy)

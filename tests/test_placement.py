@@ -1,0 +1,115 @@
+"""distca.place: exact (the step's documents and tokens are unchanged), deterministic, balanced."""
+
+import doctest
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import distca.planner.placement as placement_mod
+from distca import Layout, load_cost_model, place, plan
+from distca.doclens import load_doclens, sample_doclens
+
+
+@st.composite
+def steps(draw):
+    """(doclens, R, T, M): M micro-batches of R x T tokens, each cut into documents (tiny to
+    longer than a slot); no document crosses a micro-batch."""
+    R = draw(st.integers(1, 6))
+    T = draw(st.integers(1, 400))
+    M = draw(st.integers(1, 3))
+    lens = []
+    for _ in range(M):
+        n = R * T
+        k = draw(st.integers(0, min(n - 1, 30)))
+        cuts = sorted(draw(st.lists(st.integers(1, n - 1), min_size=k, max_size=k, unique=True))) if n > 1 else []
+        lens += np.diff([0, *cuts, n]).tolist()
+    return lens, R, T, M
+
+
+@given(step=steps(), cost=st.sampled_from(["cpu", "h200"]))
+def test_placement_is_exact(step, cost):
+    lens, R, T, M = step
+    p = place(lens, R, T, micro_batches=M, cost_model=cost)
+    assert len(p.order) == len(p.layouts) == M and p.slot_work.shape == (M, R)
+    # Every document exactly once, whole: the step's tokens and documents are unchanged.
+    allo = np.concatenate(p.order)
+    assert sorted(allo.tolist()) == list(range(len(lens)))
+    cu = np.cumsum(lens)
+    home = (cu - 1) // (R * T)  # the micro-batch each input document came from
+    for m, (o, lay) in enumerate(zip(p.order, p.layouts)):
+        assert lay.ranks == R and lay.tokens_per_rank == T
+        assert lay.doc_lens.tolist() == [lens[i] for i in o.tolist()]
+        if not p.cross_micro_batch:
+            assert set(home[o].tolist()) <= {m}
+    # The slot work is what the colocated plan charges.
+    for lay, w in zip(p.layouts, p.slot_work):
+        assert np.allclose(plan(lay, "colocated", cost_model=cost).loads, w, rtol=1e-12)
+    # Deterministic.
+    q = place(list(lens), R, T, micro_batches=M, cost_model=cost)
+    assert all(np.array_equal(a, b) for a, b in zip(p.order, q.order))
+
+
+def realistic_capped(R, T, seed):
+    lens = sample_doclens(np.minimum(load_doclens("pretrain"), T // 4), R * T, upsample=1, seed=seed)
+    return lens
+
+
+@pytest.mark.parametrize("R,T,seed", [(16, 32768, 0), (64, 65536, 1)])
+def test_placement_balances_better_than_the_loader_order(R, T, seed):
+    lens = realistic_capped(R, T, seed)
+    cm = load_cost_model("h200")
+    before = plan(Layout.from_doclens(lens, R, T), "colocated", cost_model=cm)
+    p = place(lens, R, T, cost_model=cm)
+    after = plan(p.layouts[0], "colocated", cost_model=cm)
+    assert after.imbalance < before.imbalance
+    assert after.imbalance <= 1.1
+    # Only cuts where a slot must end: at most one document crosses each rank boundary, so
+    # no more documents are cut than rank boundaries (the loader's order cuts about as many).
+    cut = sum(1 for r in range(1, R) if p.layouts[0].segments.start[p.layouts[0].segments.offset == 0][r] > 0)
+    assert cut <= R - 1
+    assert after.traffic.total_bytes <= before.traffic.total_bytes
+
+
+def test_micro_batches_are_balanced_together_when_an_exact_split_exists():
+    rng = np.random.default_rng(4)
+    R, T, M = 4, 8192, 3
+    lens = []
+    for m in range(M):
+        # Micro-batch 0 holds the long documents, the others only short ones.
+        part = rng.integers(2000, 6000, 20) if m == 0 else rng.integers(1, 300, 400)
+        c = np.cumsum(part)
+        part = part[: int(np.searchsorted(c, R * T))].tolist()
+        lens += part + [R * T - sum(part)]
+    cm = load_cost_model("h200")
+    p = place(lens, R, T, micro_batches=M, cost_model=cm)
+    assert p.cross_micro_batch
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    first = np.searchsorted(cu, np.arange(M + 1) * R * T)
+    before = np.array([plan(Layout.from_doclens(lens[first[m] : first[m + 1]], R, T), "colocated", cost_model=cm).loads
+                       for m in range(M)])  # fmt: skip
+    # Micro-batch 0 held all 7 long documents (two on some ranks); now no slot holds two, and
+    # they are spread over the micro-batches.
+    assert p.slot_work.max() < 0.85 * before.max()
+    assert sum(1 for o in p.order if (np.asarray(lens)[o] >= 2000).any()) >= 2
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        (([10, 20], 2, 10), {}, r"doclens must sum to micro_batches\*ranks\*tokens_per_rank=1\*2\*10=20, got 30"),
+        (([10, 0, 10], 2, 10), {}, r"doclens must be positive, got doclens\[1\]=0"),
+        (([5, 10, 5], 1, 10), dict(micro_batches=2), r"doclens\[1\] \(stream positions \[5, 15\)\) crosses the boundary of micro-batch 1"),
+        (([10, 10], 0, 10), {}, "ranks must be an int >= 1, got 0"),
+        (([10, 10], 2, 10), dict(micro_batches=0), "micro_batches must be an int >= 1, got 0"),
+        (([1.5, 18.5], 2, 10), {}, "doclens must be a 1-D sequence of ints"),
+    ],
+)
+def test_bad_place_arguments(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        place(*args, **kwargs)
+
+
+def test_docstring_example_runs():
+    assert doctest.testmod(placement_mod, raise_on_error=False).failed == 0
