@@ -137,18 +137,34 @@ def _worker(a: argparse.Namespace) -> None:
 
     ExchangeStats.time_wait = timed_wait
 
-    class _Saved:
-        """A tensor autograd saved for backward; its bytes count as live until the graph drops it."""
+    storages: dict[int, list[int]] = {}  # storage -> [tensors saved from it, its bytes]
+    params: set[int] = set()  # parameter storages: weights, not activations
 
-        __slots__ = ("t", "n")
+    class _Saved:
+        """A tensor autograd saved for backward. Its storage's bytes count as live activation memory
+        (once, however many saved tensors view it) until the graph drops the last of them."""
+
+        __slots__ = ("t", "key")
 
         def __init__(self, t):
-            self.t, self.n = t, t.numel() * t.element_size()
-            saved["live"] += self.n
-            saved["peak"] = max(saved["peak"], saved["live"])
+            self.t, self.key = t, t.untyped_storage().data_ptr()
+            if self.key in params:
+                self.key = None
+                return
+            entry = storages.setdefault(self.key, [0, t.untyped_storage().nbytes()])
+            entry[0] += 1
+            if entry[0] == 1:
+                saved["live"] += entry[1]
+                saved["peak"] = max(saved["peak"], saved["live"])
 
         def __del__(self):
-            saved["live"] -= self.n
+            if self.key is None:
+                return
+            entry = storages[self.key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                saved["live"] -= entry[1]
+                del storages[self.key]
 
     def timed_kernel(fn):
         def wrapper(*x, **k):
@@ -185,6 +201,8 @@ def _worker(a: argparse.Namespace) -> None:
             return lambda kind, k: segment("idle_" + ("fwd" if kind == "F" else "bwd"), lambda x, kw: k)(idle)(kind, k)
 
         def forward_backward_step(self, **kw):
+            if not params:
+                params.update(p.untyped_storage().data_ptr() for m in self.model_parts for p in m.parameters())
             with torch.autograd.graph.saved_tensors_hooks(_Saved, lambda s_: s_.t):
                 return super().forward_backward_step(**kw)
 

@@ -176,12 +176,19 @@ def _held(log: str, stage: int) -> set[int]:
     return {int(n) for n in re.findall(rf"stage {stage} held (\d+) micro-batches at once", log)}
 
 
+_VALIDATION = (
+    "--validation.enable", "--validation.freq", "3", "--validation.steps", "2", "--validation.dataset",
+    "synthetic_pretrain", "--validation.seq_len", "256", "--validation.local_batch_size", "4",
+)  # fmt: skip
+"""torchtitan's validator at steps 3 and 6 (and 1), 2 batches of 4 micro-batches each: forward sub-ticks only."""
+
+
 @pytest.fixture(scope="module")
 def pp2(titan_dir, seed_ckpt):
-    """pp 2 on 2 processes, one CA group across both stages, 4 micro-batches of 256 tokens; a full
-    checkpoint at step 3 for the resume test."""
+    """pp 2 on 2 processes (Tick1F1B), one CA group across both stages, 4 micro-batches of 256 tokens;
+    a full checkpoint at step 3 for the resume test; validation."""
     return _from_seed(2, titan_dir, seed_ckpt, "pp2", "--training.seq_len", "256", "--training.local_batch_size", "4",
-                      "--checkpoint.interval", "3")  # fmt: skip
+                      "--checkpoint.interval", "3", *_VALIDATION)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +205,7 @@ def pp2_gpipe(titan_dir, seed_ckpt):
     """pp 2 as ``pp2`` on the TickGPipe schedule (one plan per forward/backward sub-tick pair)."""
     return _from_seed(2, titan_dir, seed_ckpt, "pp2_gpipe", "--training.seq_len", "256",
                       "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_schedule", "TickGPipe",
-                      "--checkpoint.interval", "100000")  # fmt: skip
+                      "--checkpoint.interval", "100000", *_VALIDATION)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +213,7 @@ def pp2_1f1b(titan_dir, seed_ckpt):
     """pp 2 on 2 processes with torch's 1F1B and a CA group per stage (``across_stages = false``)."""
     return _from_seed(2, titan_dir, seed_ckpt, "pp2_1f1b", "--training.seq_len", "256", "--training.local_batch_size",
                       "4", "--parallelism.pipeline_parallel_schedule", "1F1B", "--core_attention.no-across_stages",
-                      "--checkpoint.interval", "100000")  # fmt: skip
+                      "--checkpoint.interval", "100000", *_VALIDATION)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +235,24 @@ def pp2_dp2(titan_dir, seed_ckpt):
 
 
 @pytest.fixture(scope="module")
+def pp2_tp2(titan_dir, seed_ckpt):
+    """pp 2 x tp 2 on 4 processes: a CA group of the 2 stages per TP rank, each dispatching its heads."""
+    return _from_seed(4, titan_dir, seed_ckpt, "pp2_tp2", "--training.seq_len", "256", "--training.local_batch_size",
+                      "4", "--parallelism.tensor_parallel_degree", "2", "--checkpoint.interval", "100000",
+                      timeout=600)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tp2_accum4(titan_dir, seed_ckpt):
+    """pp 2 x tp 2's reference: tp 2 on 2 processes, CAD on, gradient accumulation over 4 micro-batches."""
+    return _from_seed(
+        2, titan_dir, seed_ckpt, "tp2_accum4", "--training.seq_len", "256", "--training.local_batch_size", "1",
+        "--training.global_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
+        "--checkpoint.interval", "100000", config="train_configs/debug_cpu.toml",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
 def pp2_dp2_pingpong(titan_dir, seed_ckpt):
     """``pp2_dp2`` with ping-pong."""
     return _from_seed(4, titan_dir, seed_ckpt, "pp2_dp2_pingpong", "--training.seq_len", "256",
@@ -239,6 +264,8 @@ def _pp4(titan_dir, seed_ckpt_8l, name, *args):
     """pp 4 on 4 processes (the 8-layer debug model: 2 layers per stage), 8 micro-batches of 128 tokens."""
     return _from_seed(4, titan_dir, seed_ckpt_8l, name, "--model.flavor", "debugmodel_8l", "--training.seq_len", "128",
                       "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "4",
+                      "--parallelism.pipeline_parallel_first_stage_less_layers", "0",
+                      "--parallelism.pipeline_parallel_last_stage_less_layers", "0",
                       "--checkpoint.interval", "100000", *args, timeout=600)  # fmt: skip
 
 
@@ -341,6 +368,27 @@ def test_per_stage_groups_with_torch_1f1b_equal_gradient_accumulation(pp2_1f1b, 
     still each micro-batch with its own plan and positions and the same loss scaling."""
     assert "group of 1" in pp2_1f1b[0], pp2_1f1b[0][-3000:]
     _assert_same_training(pp2_1f1b, pp1_accum4)
+
+
+@pytest.mark.slow
+def test_validation_runs_forward_sub_ticks_under_pp(pp2, pp2_gpipe, pp2_1f1b):
+    """torchtitan's validator under PP with CAD: each batch's micro-batches run as the schedule's
+    forward sub-ticks (idle stages serving) with their own plans; the same weights give the same
+    validation loss on Tick1F1B, TickGPipe, and torch's 1F1B with a CA group per stage."""
+    tag = "validation_metrics/loss"
+    losses = [run[1][tag] for run in (pp2, pp2_gpipe, pp2_1f1b)]
+    assert sorted(losses[0]) == [1, 3, 6], losses[0]
+    assert all(0 < x < 20 for x in losses[0].values()), losses[0]
+    for other in losses[1:]:
+        assert sorted(other) == sorted(losses[0])
+        assert [other[k] for k in sorted(other)] == pytest.approx([losses[0][k] for k in sorted(other)], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_pp2_tp2_equals_tp2_with_gradient_accumulation(pp2_tp2, tp2_accum4):
+    """PP with TP (the paper's every run has TP): pp 2 x tp 2 trains as tp 2 without PP."""
+    assert "group of 2" in pp2_tp2[0] and "TP 2" in pp2_tp2[0], pp2_tp2[0][-3000:]
+    _assert_same_training(pp2_tp2, tp2_accum4)
 
 
 @pytest.mark.slow

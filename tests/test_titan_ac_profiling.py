@@ -200,7 +200,7 @@ def test_nano_batches_reject_checkpointing_that_recomputes_their_phases():
 def test_a_group_across_stages_allows_op_sac_only():
     """Op-level SAC never recomputes core attention, so idle stages need not mirror the recompute;
     full AC and layer SAC would call it on the active stages only."""
-    pp = {"dp_size": 2, "pp_degree": 2, "pp_schedule": "TickGPipe"}
+    pp = {"dp_size": 2, "pp_degree": 2, "pp_schedule": "Tick1F1B"}
     assert validate(CoreAttention(enable=True), **pp, ac_mode="selective", ac_option="op") == 2
     for ac_mode, ac_option in (("full", "op"), ("selective", "2"), ("memory_budget", "op")):
         rule = rf'across_stages=true cannot be combined with activation_checkpoint.mode="{ac_mode}"'
@@ -234,17 +234,19 @@ def test_recomputing_checkpointing_warns_once(caplog):
 @pytest.mark.parametrize("name", ["llama3_8b_ca.toml", "llama3_8b_ca_4d.toml"])
 def test_cluster_configs_use_op_sac_and_start(name):
     """The shipped cluster configs (not run here) checkpoint with op-level SAC and pass the
-    start-up rules at their documented size (2 nodes of 8; the 4D one: 8 nodes, pp 4 x dp 16)."""
+    start-up rules at their documented size (2 nodes of 8; the 4D one: 8 nodes, pp 4 x tp 8 x dp 2)."""
     c = tomllib.loads((ROOT / "train_configs" / name).read_text())
     ac, p = c["activation_checkpoint"], c["parallelism"]
     assert (ac["mode"], ac["selective_ac_option"]) == ("selective", "op")
     keys = {f: c["core_attention"][f] for f in c["core_attention"]}
-    pp = p.get("pipeline_parallel_degree", 1)
-    dp = 16
+    pp, tp = p.get("pipeline_parallel_degree", 1), p.get("tensor_parallel_degree", 1)
+    dp = (64 if pp > 1 else 16) // (pp * tp)
     got = validate(
-        CoreAttention(**keys), dp_size=dp, pp_degree=pp, pp_schedule=p.get("pipeline_parallel_schedule", "1F1B"),
-        ac_mode=ac["mode"], ac_option=ac["selective_ac_option"],
+        CoreAttention(**keys), dp_size=dp, tp_degree=tp, pp_degree=pp,
+        pp_schedule=p.get("pipeline_parallel_schedule", "1F1B"), ac_mode=ac["mode"], ac_option=ac["selective_ac_option"],
     )  # fmt: skip
+    if pp > 1:  # the 4D config is the paper's: Tick1F1B with TP
+        assert (p["pipeline_parallel_schedule"], tp, dp) == ("Tick1F1B", 8, 2)
     assert got == (keys["degree"] if keys["degree"] != -1 else dp)
 
 

@@ -148,8 +148,8 @@ def validate(
         cfg: the section.
         dp_size: data-parallel size (dp_replicate * dp_shard) of the job.
         cp_degree, tp_degree, pp_degree: torchtitan's other parallel degrees. Tensor
-            parallelism composes (each TP rank dispatches its own heads) except with
-            nano-batches and with pipeline parallelism; context parallelism is rejected.
+            parallelism composes (each TP rank dispatches its own heads, with or without pipeline
+            parallelism) except with nano-batches; context parallelism is rejected.
         pp_schedule: ``parallelism.pipeline_parallel_schedule`` (read when ``pp_degree > 1``).
         ac_mode, ac_option: ``activation_checkpoint.mode`` and ``selective_ac_option`` (torchtitan's
             default "2"): activation checkpointing must not re-run core attention's exchanges
@@ -223,12 +223,6 @@ def _ac_option_note(ac_mode: str, ac_option: str) -> str:
 def _validate_pp(
     cfg: CoreAttention, dp_size: int, tp: int, pp: int, schedule: str, ac_mode: str, ac_option: str, n_nano: int
 ) -> int:
-    if tp > 1:
-        raise ValueError(
-            f"core_attention.enable=true with parallelism.pipeline_parallel_degree={pp} cannot also use "
-            f"parallelism.tensor_parallel_degree={tp}: CAD under pipeline parallelism is built for "
-            "tensor_parallel_degree = 1 (set it to 1, or pipeline_parallel_degree = 1 to combine CAD with TP)"
-        )
     if schedule not in _SINGLE_STAGE_SCHEDULES:
         raise ValueError(
             f"core_attention.enable=true cannot run under parallelism.pipeline_parallel_schedule={schedule!r}: "
