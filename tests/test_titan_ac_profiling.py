@@ -118,9 +118,17 @@ def op_sac(runs_dir):
 
 @pytest.fixture(scope="module")
 def pp_op_sac(runs_dir):
-    """pp 2 x dp 1, one CA group across both stages (TickGPipe), 2 micro-batches, op-level SAC."""
+    """pp 2 x dp 1, one CA group across both stages (Tick1F1B), 2 micro-batches, op-level SAC."""
     pp_config = "train_configs/debug_cpu_pp.toml"
     return _run(runs_dir / "pp_op", "--training.local_batch_size", "2", *_OP_SAC, config=pp_config)
+
+
+@pytest.fixture(scope="module")
+def pp_pingpong_op_sac(runs_dir):
+    """``pp_op_sac`` with ping-pong: two nano-batches per micro-batch inside the ticks."""
+    pp_config = "train_configs/debug_cpu_pp.toml"
+    return _run(runs_dir / "pp_pingpong_op", "--training.local_batch_size", "2", "--core_attention.pingpong", *_OP_SAC,
+                config=pp_config)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -151,13 +159,13 @@ def test_op_sac_runs_no_all_to_all_in_the_recompute(no_ac, op_sac):
 
 
 @pytest.mark.slow
-def test_op_sac_with_a_group_across_pipeline_stages(pp_op_sac):
-    """The 4D setting (``llama3_8b_ca_4d.toml``) with op-level SAC: a stage's recompute in its backward
-    tick calls no core attention (no agreement in any backward), so the idle stage that serves
-    the group is never out of step and training completes. With the op taken out of the save list
-    the run fails (the recomputed agreement meets the idle stage's backward exchange); by hand,
-    the run without checkpointing has the same counts (102 per rank, 48 in backward)."""
-    log, counts, losses = pp_op_sac
+@pytest.mark.parametrize("which", ["pp_op_sac", "pp_pingpong_op_sac"])
+def test_op_sac_with_a_group_across_pipeline_stages(which, request):
+    """The 4D setting (``llama3_8b_ca_4d.toml``) with op-level SAC, with and without ping-pong: a
+    stage's recompute in its backward sub-tick runs no core attention exchange and counts no call
+    (``distca.check`` compares the calls per plan across the stages at every step's end), so the
+    idle stage that serves the group is never out of step and training completes."""
+    log, counts, losses = request.getfixturevalue(which)
     assert "Applied selective activation checkpointing" in log, log[-4000:]
     assert counts[0] == counts[1], counts  # one CA group: every all-to-all pairs the two stages
     assert counts[0]["backward"] > 0 and counts[0]["blocking_backward"] == 0, counts

@@ -40,6 +40,10 @@ def test_validate_defaults_and_degree():
     # Pipeline parallelism: DP ranks per group (of every stage across stages, or of one stage).
     assert validate(CoreAttention(enable=True), dp_size=2, pp_degree=2) == 2
     assert validate(CoreAttention(enable=True, degree=1, across_stages=False), dp_size=2, pp_degree=2, pp_schedule="1F1B") == 1
+    # Tick1F1B (the default), TickGPipe, ping-pong and TP all compose with a group across stages.
+    for sched in ("Tick1F1B", "TickGPipe"):
+        assert validate(CoreAttention(enable=True, pingpong=True), dp_size=2, pp_degree=2, pp_schedule=sched) == 2
+        assert validate(CoreAttention(enable=True), dp_size=2, pp_degree=2, tp_degree=2, pp_schedule=sched) == 2
 
 
 @pytest.mark.parametrize(
@@ -48,11 +52,10 @@ def test_validate_defaults_and_degree():
         (CoreAttention(enable=True, degree=3), {"dp_size": 4}, r"core_attention.degree=3 must divide the data-parallel size 4 \(valid: -1 or one of \[1, 2, 4\]\)"),
         (CoreAttention(enable=True, degree=0), {"dp_size": 4}, r"core_attention.degree=0 must divide"),
         (CoreAttention(enable=True), {"dp_size": 2, "cp_degree": 2}, r"cannot be combined with parallelism.context_parallel_degree=2"),
-        (CoreAttention(enable=True), {"dp_size": 2, "pp_degree": 2, "pp_schedule": "1F1B"}, r"core_attention.across_stages=true \(one CA group over the 2 pipeline stages\) needs .*pipeline_parallel_schedule = 'TickGPipe' \(got '1F1B'\), or core_attention.across_stages = false"),
+        (CoreAttention(enable=True), {"dp_size": 2, "pp_degree": 2, "pp_schedule": "1F1B"}, r"core_attention.across_stages=true \(one CA group over the 2 pipeline stages\) needs .*pipeline_parallel_schedule = \"Tick1F1B\" \(or \"TickGPipe\"; got '1F1B'\), or core_attention.across_stages = false"),
+        (CoreAttention(enable=True, mode="keep"), {"dp_size": 2, "pp_degree": 2}, r'core_attention.mode="keep" cannot be combined with core_attention.across_stages=true: .* set mode = "resend"'),
         (CoreAttention(enable=True), {"dp_size": 2, "pp_degree": 2, "pp_schedule": "Interleaved1F1B"}, r"cannot run under parallelism.pipeline_parallel_schedule='Interleaved1F1B'"),
         (CoreAttention(enable=True, across_stages=False), {"dp_size": 2, "pp_degree": 2, "pp_schedule": "ZBVZeroBubble"}, r"interleaved, zero-bubble and DualPipeV schedules are not supported"),
-        (CoreAttention(enable=True, pingpong=True), {"dp_size": 2, "pp_degree": 2}, r"pingpong=true\) cannot be combined with parallelism.pipeline_parallel_degree=2"),
-        (CoreAttention(enable=True), {"dp_size": 2, "pp_degree": 2, "tp_degree": 2}, r"cannot also use parallelism.tensor_parallel_degree=2"),
         (CoreAttention(enable=True), {"dp_size": 2, "pp_degree": 2, "ac_mode": "full"}, r'across_stages=true cannot be combined with activation_checkpoint.mode="full"'),
         (CoreAttention(enable=True, degree=1), {"dp_size": 2, "pp_degree": 2}, r"core_attention.degree=1 must then be -1 or the data-parallel size 2"),
         (CoreAttention(enable=True, pingpong=True), {"dp_size": 2, "tp_degree": 2}, r"cannot be combined with parallelism.tensor_parallel_degree=2: the nano-batch schedule"),
