@@ -17,6 +17,13 @@ reference shape stored with them and scale linearly with heads x head_dim.
 
 Bytes are modelled for one layer's forward dispatch (Q rows to servers, each
 needed KV row once per server, output + LSE rows back) and its backward.
+
+The network model (``net_*`` fields, all 0 by default: bytes are free) prices those bytes on a
+cluster: per-rank seconds per byte over the inter-node link and over NVLink (for peers on the
+same node), a latency per all-to-all call, and the compute that ping-pong overlaps transfers
+with; :func:`exposed_seconds` turns a plan's traffic into the seconds each rank's transfers add
+to its layer. Stored network models: ``distca/data/network_<name>.json``, combined with a kernel
+model as ``load_cost_model("h200+hgx_h200")``.
 """
 
 from __future__ import annotations
@@ -37,10 +44,18 @@ __all__ = [
     "MODEL_SHAPES",
     "CostModel",
     "Traffic",
+    "NET_CALLS",
     "causal_pairs",
+    "comm_seconds",
+    "exposed_seconds",
+    "hidden_seconds",
     "load_cost_model",
     "traffic",
 ]
+
+NET_CALLS = 4
+"""All-to-all calls per layer and nano-batch the runtime makes when any row moves: forward dispatch
+and return, backward dispatch and return (``resend`` and ``keep`` alike)."""
 
 Mode = Literal["resend", "keep"]
 
@@ -129,6 +144,36 @@ class CostModel:
     link_source: str = ""
     """How ``link_byte_s`` was measured."""
     source: str = ""
+    net_inter_byte_s: float = 0.0
+    """Seconds per byte a CA rank sends, or receives, to or from a rank on another node (per
+    direction: links are full duplex, a rank's time is max(sent, received) x this). 0: free."""
+    net_intra_byte_s: float = 0.0
+    """The same for peers on the rank's own node (NVLink)."""
+    net_ranks_per_node: int = 1
+    """CA ranks per node: ranks r and s share a node iff r // n == s // n (1: every peer is remote)."""
+    net_latency_s: float = 0.0
+    """Seconds per all-to-all call (:data:`NET_CALLS` per layer when any row moves)."""
+    net_overlap_token_s: float = 0.0
+    """Seconds of a layer's forward + backward compute outside core attention (the linear layers)
+    per token a rank holds, at this model's reference shape: with ping-pong, a rank's transfers
+    hide behind ``tokens_per_rank`` x this (forward ones behind a third, backward ones behind two
+    thirds); only the rest is exposed (:func:`exposed_seconds`)."""
+    net_source: str = ""
+    """Where the ``net_*`` values come from."""
+
+    def __post_init__(self) -> None:
+        for name in ("net_inter_byte_s", "net_intra_byte_s", "net_latency_s", "net_overlap_token_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0.0 or v == float("inf"):
+                raise ValueError(f"CostModel.{name} must be a finite number >= 0, got {v!r}")
+        n = self.net_ranks_per_node
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"CostModel.net_ranks_per_node must be an int >= 1, got {n!r}")
+
+    @property
+    def has_network(self) -> bool:
+        """Whether bytes have a price on the network (a per-byte cost over either link)."""
+        return self.net_inter_byte_s > 0.0 or self.net_intra_byte_s > 0.0
 
     def time(self, q_len, kv_len, pairs):
         """Modelled seconds; accepts Python numbers or numpy arrays of equal shape."""
@@ -155,10 +200,29 @@ class CostModel:
             rect_s=self.rect_s * sq,
             q_token_s=self.q_token_s * sq,
             kv_token_s=self.kv_token_s * skv,
+            # Linear-layer FLOPs per token scale with hidden^2 (hidden = heads x head dim, the
+            # reference model's MLP ratio assumed).
+            net_overlap_token_s=self.net_overlap_token_s * sq * sq,
             ref_heads=shape.num_heads,
             ref_kv_heads=shape.num_kv_heads,
             ref_head_dim=shape.head_dim,
         )
+
+    def with_network(self, net: dict) -> "CostModel":
+        """This model with the network fields of ``net`` (see :func:`load_network`); its
+        ``net_overlap_token_s`` is rescaled from ``net["ref_hidden"]`` to this model's reference
+        shape (hidden^2). Unknown keys are an error."""
+        net = dict(net)
+        ref_hidden = net.pop("ref_hidden", None)
+        fields = {k for k in CostModel.__dataclass_fields__ if k.startswith("net_")}
+        bad = sorted(set(net) - fields)
+        if bad:
+            raise ValueError(f"network model keys must be among {sorted(fields | {'ref_hidden'})}, got {bad}")
+        if "net_overlap_token_s" in net:
+            if not isinstance(ref_hidden, int) or ref_hidden < 1:
+                raise ValueError(f"a network model with net_overlap_token_s needs ref_hidden, an int >= 1, got {ref_hidden!r}")
+            net["net_overlap_token_s"] *= (self.ref_heads * self.ref_head_dim / ref_hidden) ** 2
+        return replace(self, **net)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -169,7 +233,12 @@ class CostModel:
 
 
 def load_cost_model(name_or_path: str = "cpu") -> CostModel:
-    """Load a stored cost model: ``"cpu"``, ``"h200"``, or a path to a JSON file."""
+    """Load a stored cost model: ``"cpu"``, ``"h200"``, or a path to a JSON file; ``"A+B"``: model
+    ``A`` with the network model ``B`` (a stored ``network_<B>.json`` or a path), see
+    :meth:`CostModel.with_network`."""
+    if "+" in name_or_path:
+        kernel, net = name_or_path.split("+", 1)
+        return load_cost_model(kernel).with_network(load_network(net))
     p = Path(name_or_path)
     if p.suffix == ".json" and p.exists():
         return CostModel.from_json(p.read_text())
@@ -180,6 +249,22 @@ def load_cost_model(name_or_path: str = "cpu") -> CostModel:
         )
         raise ValueError(f"unknown cost model {name_or_path!r}; stored models: {names}, or pass a .json path")
     return CostModel.from_json(ref.read_text())
+
+
+def load_network(name_or_path: str) -> dict:
+    """A stored network model (``distca/data/network_<name>.json``) or a JSON file: a dict of
+    ``net_*`` fields of :class:`CostModel` plus ``ref_hidden``, the hidden size (heads x head dim)
+    its ``net_overlap_token_s`` is for."""
+    p = Path(name_or_path)
+    if p.suffix == ".json" and p.exists():
+        return json.loads(p.read_text())
+    ref = resources.files("distca") / "data" / f"network_{name_or_path}.json"
+    if not ref.is_file():
+        names = sorted(
+            f.name[8:-5] for f in (resources.files("distca") / "data").iterdir() if f.name.startswith("network_")
+        )
+        raise ValueError(f"unknown network model {name_or_path!r}; stored: {names}, or pass a .json path")
+    return json.loads(ref.read_text())
 
 
 # ---- bytes model ---------------------------------------------------------------------
@@ -350,3 +435,37 @@ def traffic(
         fwd_s = np.bincount(inv, fwd, uniq.size).astype(np.int64)
         bwd_s = np.bincount(inv, bwd, uniq.size).astype(np.int64)
     return Traffic(ranks, uniq // ranks, uniq % ranks, fwd_s, bwd_s, recv.astype(np.int64))
+
+
+def comm_seconds(tr: Traffic, cm: CostModel) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward), float64 [R] each: seconds of each rank's CA transfers for one layer
+    under ``cm``'s network model: per pass, max over the two links (NVLink to peers on the rank's
+    node, the network to the others, used at once) of max(sent, received) x the link's seconds
+    per byte."""
+    R, n = tr.ranks, cm.net_ranks_per_node
+    out = []
+    local = tr.src // n == tr.dst // n
+    for b in (tr.fwd.astype(np.float64), tr.bwd.astype(np.float64)):
+        t = np.zeros(R)
+        for mask, byte_s in ((local, cm.net_intra_byte_s), (~local, cm.net_inter_byte_s)):
+            sent = np.bincount(tr.src[mask], b[mask], R)
+            recv = np.bincount(tr.dst[mask], b[mask], R)
+            t = np.maximum(t, np.maximum(sent, recv) * byte_s)
+        out.append(t)
+    return out[0], out[1]
+
+
+def hidden_seconds(cm: CostModel, tokens_per_rank: int) -> tuple[float, float]:
+    """(forward, backward) seconds of transfers ping-pong hides per layer: the linear layers'
+    ``tokens_per_rank * net_overlap_token_s``, one third in the forward, two in the backward."""
+    h = tokens_per_rank * cm.net_overlap_token_s
+    return h / 3.0, 2.0 * h / 3.0
+
+
+def exposed_seconds(tr: Traffic, cm: CostModel, tokens_per_rank: int) -> np.ndarray:
+    """float64 [R]: seconds per layer that each rank's CA transfers add to its step: per pass,
+    :func:`comm_seconds` beyond :func:`hidden_seconds`. All 0 without a network model."""
+    if not cm.has_network:
+        return np.zeros(tr.ranks)
+    (cf, cb), (hf, hb) = comm_seconds(tr, cm), hidden_seconds(cm, tokens_per_rank)
+    return np.maximum(cf - hf, 0.0) + np.maximum(cb - hb, 0.0)

@@ -8,7 +8,11 @@ Examples:
     python scripts/bench_planner.py --doclens pretrain --ranks 512 --placement balance --policy colocated  # pack
 
 With --json: one JSON object per policy per line (policy, ranks, tokens_per_rank, imbalance,
-pairs_imbalance, plan_ms, max_server_bytes, total_bytes, num_tasks, placement, place_ms, ...).
+pairs_imbalance, plan_ms, max_server_bytes, total_bytes, num_tasks, placement, place_ms, layer_s,
+max_exposed_s, ...). ``layer_s``: :func:`distca.planner.plans.layer_seconds` (the planner's
+objective: slowest rank's forward + backward plus its exposed transfers); ``max_exposed_s``: the
+largest per-rank exposed transfer seconds (0 without a network model, e.g. ``--cost-model
+h200+hgx_h200``).
 
 ``--placement balance`` reorders the batch's documents with :func:`distca.place` before any
 policy plans it (``pack`` = ``--placement balance --policy colocated``); ``place_ms`` is its
@@ -33,7 +37,9 @@ from pathlib import Path
 import numpy as np
 
 from distca import MODEL_SHAPES, POLICIES, Layout, place, plan
+from distca.cost import exposed_seconds
 from distca.doclens import load_doclens, sample_doclens
+from distca.planner.plans import layer_seconds
 
 
 SYNTHETIC = ("heavy_tail", "one_doc", "tiny_mix")
@@ -220,6 +226,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 "num_tasks": p.num_tasks,
                 "min_task_tokens": int((p.tasks[:, 2] - p.tasks[:, 1]).min()),
                 "max_load_s": float(p.loads.max()),
+                "layer_s": layer_seconds(p),
+                "max_exposed_s": float(exposed_seconds(p.traffic, p.cost_model, layout.tokens_per_rank).max()),
                 "mean_load_s": float(p.loads.mean()),
                 "model": args.model,
                 "cost_model": args.cost_model,
@@ -232,13 +240,13 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'policy':<11} {'place':<8} {'imbal':>7} {'pairs':>7} {'plan ms':>9} {'place ms':>9} {'max srv MB':>11} {'total GB':>9} {'tasks':>8} {'min q':>6}"
+    head = f"{'policy':<11} {'place':<8} {'imbal':>7} {'pairs':>7} {'plan ms':>9} {'place ms':>9} {'max srv MB':>11} {'total GB':>9} {'tasks':>8} {'min q':>6} {'layer ms':>9} {'exposed':>8}"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['policy']:<11} {r['placement']:<8} {r['imbalance']:>7.3f} {r['pairs_imbalance']:>7.3f} {r['plan_ms']:>9.1f} {r['place_ms']:>9.1f} "
             f"{r['max_server_bytes'] / 2**20:>11.1f} {r['total_bytes'] / 2**30:>9.2f} {r['num_tasks']:>8d} "
-            f"{r['min_task_tokens']:>6d}"
+            f"{r['min_task_tokens']:>6d} {r['layer_s'] * 1e3:>9.2f} {r['max_exposed_s'] * 1e3:>8.2f}"
         )
     return "\n".join(lines)
 
@@ -262,7 +270,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-shard", type=int, default=128)
     ap.add_argument("--capacity-bytes", type=int, default=None)
     ap.add_argument("--model", default="llama3-8b", choices=sorted(MODEL_SHAPES))
-    ap.add_argument("--cost-model", default="h200", help="stored cost model name or JSON path")
+    ap.add_argument("--cost-model", default="h200",
+                    help="stored cost model name or JSON path; NAME+NET adds a network model (e.g. h200+hgx_h200)")
     ap.add_argument("--json", action="store_true", help="one JSON object per policy per line")
     ap.add_argument("--repeats", type=int, default=1, help="plan_ms: median of this many runs")
     ap.add_argument("--compare", action="store_true", help="distca vs greedy per tolerance, and the lower bound")

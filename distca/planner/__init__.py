@@ -28,6 +28,7 @@ work like any underloaded rank).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal, get_args
 
 import numpy as np
@@ -86,7 +87,9 @@ def plan(
 
     ``distca`` returns the colocated plan (same policy name, nothing moves) when its own plan's
     modelled gain does not pay for its bytes (:func:`move_gain`): it is never modelled slower
-    than colocated.
+    than colocated. With a network model (``CostModel.has_network``, e.g. ``cost_model=
+    "h200+hgx_h200"``) the balancer also prices every move as it goes: a donor stops shedding
+    when its next chunk's exposed transfer time would cost more than the chunk saves.
 
     Example:
         >>> from distca import Layout, plan
@@ -138,11 +141,24 @@ def plan(
     # unmerged, so the same sums in the same order): a plan that does not lower it keeps every
     # row home, without building the colocated plan's traffic.
     base_max = np.bincount(server, opts.cost_model.task_time(start, end), layout.ranks).max()
-    if p.loads.max() < base_max and not opts.cost_model.link_byte_s:
+    if p.loads.max() < base_max and not opts.cost_model.link_byte_s and not opts.cost_model.has_network:
         return p  # no byte cost: a lower max load is the whole gain
     if base is None:
         base = build_plan(layout, policy, *base_cols, opts)
-    return base if p.loads.max() >= base_max or move_gain(base, p) <= 0.0 else p
+    best = base if p.loads.max() >= base_max or move_gain(base, p) <= 0.0 else p
+    if opts.cost_model.has_network:
+        # The balancer prices each move by itself, which can stop it where going on (more bytes on
+        # one rank, every donor balanced) is cheaper in the end: the plan with free bytes, costed
+        # with the network, is the other candidate; the cheapest of the three wins (ties: fewer moves).
+        cm = opts.cost_model
+        free = replace(opts, cost_model=replace(cm, net_inter_byte_s=0.0, net_intra_byte_s=0.0))
+        try:
+            q = build_plan(layout, policy, *distca.assign(layout, free), opts)
+        except capacity.CapacityError:
+            return best
+        if q.loads.max() < base_max and layer_seconds(q) < layer_seconds(best):
+            return q
+    return best
 
 
 def move_gain(base: Plan, p: Plan) -> float:

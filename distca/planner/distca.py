@@ -11,6 +11,7 @@ import numpy as np
 from distca.cost import CostModel, ModelShape
 from distca.layout import Layout, Segments
 from distca.planner.capacity import Inbound
+from distca.planner.network import ACCEPT, STOP_DONOR, Ledger
 from distca.planner.options import Columns, PlanOptions
 
 __all__ = ["assign"]
@@ -26,7 +27,9 @@ _MIN_ROOM = 2e-3
 class _Balancer:
     """State of one ``distca`` planning run; see :func:`assign`."""
 
-    def __init__(self, layout: Layout, cm: CostModel, shape: ModelShape, min_shard: int, capacity: int | None):
+    def __init__(
+        self, layout: Layout, cm: CostModel, shape: ModelShape, min_shard: int, capacity: int | None, mode: str = "resend"
+    ):
         self.R, self.T = layout.ranks, layout.tokens_per_rank
         self.layout = layout
         self.cm = cm
@@ -56,6 +59,10 @@ class _Balancer:
         self._by_weight: dict[int, list[int]] = {}
         self.inbound = None if capacity is None else Inbound(layout, shape, capacity, s.rank, s.doc, s.start, s.end)
         """``capacity_bytes``' ledger (None: unbounded); raises CapacityError if the start already exceeds it."""
+        self.stopped: set[int] = set()
+        """Donors the network model stopped: their next chunks would not pay (never asked again)."""
+        self.net = Ledger(layout, cm, shape, mode, s.rank, s.doc, s.start, s.end) if cm.has_network else None
+        """The network model's byte account (None: bytes are free): every move must pay for itself."""
 
     def _ranked(self, r: int) -> list[int]:
         """Rank r's starting pieces, heaviest first (ties in stream order)."""
@@ -235,6 +242,8 @@ class _Balancer:
         heapq.heapify(heap)
         active = {j for _, j in heap}
         for d in donors:
+            if d in self.stopped:
+                continue
             mean = total / R
             if not heap and (load[d] <= mean * (1.0 + overload) or up >= opened):
                 continue  # nowhere to shed to, and no mop-up to open
@@ -243,6 +252,7 @@ class _Balancer:
             if not pieces:
                 continue  # its load is work it received; received chunks are not re-cut
             parked: list[int] = []
+            refused = 0  # receivers the network model refused for this donor
             # Per document, the servers of doc_recv that are still active, in the same order.
             # While this donor sheds, ``active`` only loses servers (parked, full, or stale)
             # and loads of others only grow, so the scan below drops those it finds inactive.
@@ -314,6 +324,16 @@ class _Balancer:
                 if fits and self.inbound is not None:
                     nb = self.inbound.cost(j, doc, x, e)
                     fits = self.inbound.fits(j, nb)
+                if fits and self.net is not None:
+                    u, v = self.intervals(i)[k]
+                    verdict = self.net.check(d, j, doc, x, e, load, self.t(u, v) - self.t(u, x) - self.t(e, v), t)
+                    if verdict == STOP_DONOR:
+                        self.stopped.add(d)
+                        break  # the chunk's exposed transfer costs the donor more than it saves
+                    fits = verdict == ACCEPT
+                    refused += not fits
+                    if refused > 8:
+                        break  # receiver after receiver would pay more than the donor saves
                 if not fits:
                     active.discard(j)
                     parked.append(j)
@@ -453,7 +473,7 @@ def assign(layout: Layout, opts: PlanOptions) -> Columns:
     # A shard can't be asked to exceed half of what a rank holds: with tiny ranks
     # (T < 2 * min_shard) the tile floor would otherwise forbid any balancing.
     min_shard = max(1, min(min_shard, layout.tokens_per_rank // 2))
-    bal = _Balancer(layout, cm, shape, min_shard, capacity_bytes)
+    bal = _Balancer(layout, cm, shape, min_shard, capacity_bytes, opts.mode)
     load = bal.load
     for rnd in range(4):
         # Later rounds only mop up: receivers may fill closer to the bound, so a

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distca.cost import CostModel, ModelShape, Traffic, causal_pairs, traffic
+from distca.cost import NET_CALLS, CostModel, ModelShape, Traffic, causal_pairs, exposed_seconds, traffic
 from distca.layout import Layout
 from distca.planner.options import Columns, PlanOptions
 
@@ -208,6 +208,15 @@ def _task_order(layout: Layout, doc: np.ndarray, q_start: np.ndarray, server: np
 def layer_seconds(p: Plan) -> float:
     """Modelled seconds of one layer's core attention on the plan's slowest server: forward plus
     backward of its busiest load, plus ``CostModel.link_byte_s`` per byte the busiest link sends
-    and receives (forward + backward). The planner's step-time measure."""
+    and receives (forward + backward). The planner's step-time measure.
+
+    With a network model (``CostModel.has_network``) the busiest load becomes the busiest of
+    load x (1 + bwd_factor) + exposed transfer seconds (:func:`distca.cost.exposed_seconds`) per
+    rank, plus ``NET_CALLS x net_latency_s`` when any row moves."""
     cm = p.cost_model
-    return float(p.loads.max()) * (1.0 + cm.bwd_factor) + cm.link_byte_s * p.traffic.max_server_step_bytes
+    link = cm.link_byte_s * p.traffic.max_server_step_bytes
+    if not cm.has_network:
+        return float(p.loads.max()) * (1.0 + cm.bwd_factor) + link
+    tr = p.traffic
+    busiest = p.loads * (1.0 + cm.bwd_factor) + exposed_seconds(tr, cm, p.layout.tokens_per_rank)
+    return float(busiest.max()) + (NET_CALLS * cm.net_latency_s if tr.src.size else 0.0) + link
