@@ -847,11 +847,6 @@ def pp_subticks(schedule: str, pp: int, microbatches: int) -> list[tuple[str, li
     return out
 
 
-def pp_ticks(schedule: str, pp: int, microbatches: int) -> int:
-    """Ticks of one step: M + 2P - 2 (1F1B, forward and backward sub-tick each), 2 (M + P - 1) (GPipe)."""
-    return microbatches + 2 * pp - 2 if schedule == "1f1b" else 2 * (microbatches + pp - 1)
-
-
 def pp_p2p_transfers(schedule: str, pp: int, microbatches: int) -> int:
     """Exposed stage-to-stage transfers the tick model charges: one per tick boundary. 1F1B:
     M + 2P - 3 (a tick's activations and gradients move at once, in opposite directions); GPipe:
