@@ -201,6 +201,17 @@ def quick_pp(tmp_path_factory):
     return [json.loads(line) for line in buf.getvalue().splitlines() if line.strip()]
 
 
+@pytest.fixture(scope="module")
+def quick_pp_gpipe(tmp_path_factory):
+    """Rows of ``--quick --pp --pp-schedule gpipe --json --no-plot`` (the same configurations)."""
+    out = tmp_path_factory.mktemp("simulate_pp_gpipe")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = simulate.main(["--quick", "--pp", "--pp-schedule", "gpipe", "--json", "--no-plot", "--out", str(out)])
+    assert rc == 0
+    return [json.loads(line) for line in buf.getvalue().splitlines() if line.strip()]
+
+
 def _microbatches(M, DP, T, seed=0):
     rng = np.random.default_rng(seed)
     return [Layout.from_doclens(rng.integers(20, 3 * T, 4 * DP), DP, T) for _ in range(M)]
@@ -300,7 +311,8 @@ def test_pp_rows_cad_spreads_ticks_and_beats_colocated(quick_pp):
     for r in rows:
         assert (r["pp"], r["microbatches"], r["dp"] * r["pp"]) == (4, 8, r["ca_ranks"])
         assert r["bubble"] == pytest.approx(3 / 11)
-        assert r["schedule"] == ("tick" if r["policy"] in simulate.TICK_POLICIES else "gpipe")
+        assert r["schedule"] == ("tick_1f1b" if r["policy"] in simulate.TICK_POLICIES else "1f1b")
+        assert r["settings"]["pp_schedule"] == "1f1b"
         # Over the same ticks, active ranks only: idle ranks can only lower the mean.
         assert 0 < r["idle_frac"] < 1 and r["tick_spread"] <= r["tick_spread_all"] + 1e-12
     for (dist, gpus, policy, pp), r in by.items():
@@ -529,17 +541,25 @@ def test_pp_paper_table_compares_each_side_at_its_best_p(tmp_path):
     assert (tmp_path / "speedup_pp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_pp_memory_follows_each_schedule(quick_pp):
-    """The tick schedule holds all M micro-batches, a 1F1B baseline min(P, M): at 8B, 128K, P = 4, M = 8
-    the tick policies need full recomputation and the baselines do not; each row's recomputation is the
-    cheapest its own schedule fits with."""
+def test_pp_memory_follows_each_schedule(quick_pp, quick_pp_gpipe):
+    """Tick-synchronous 1F1B holds min(M, 2(P-s)-1) micro-batches on stage s (stage 0: 7 at P = 4, M = 8),
+    GPipe ticks all M, a Megatron 1F1B baseline min(M, P-s): at 8B, 128K, P = 4, M = 8 the GPipe tick
+    policies need full recomputation, the 1F1B ones and the baselines do not; each row's recomputation is
+    the cheapest its own schedule's worst stage fits with."""
     a8 = simulate.ARCHS["llama3-8b"]
+    for rows, sched in ((quick_pp, "1f1b"), (quick_pp_gpipe, "gpipe")):
+        for r in rows:
+            tick = r["policy"] in simulate.TICK_POLICIES
+            want = ([7, 5, 3, 1] if sched == "1f1b" else [8] * 4) if tick else [4, 3, 2, 1]
+            assert r["in_flight_per_stage"] == want and r["in_flight"] == max(want)
+            if r["policy"] != "wlb_ideal":
+                assert r["recompute"] == simulate.recompute_mode(a8, 131072, r["dp"], 4, r["in_flight"])
+            assert r["recompute"] == ("full" if tick and sched == "gpipe" else "selective") and r["fits_memory"]
+    # Where GPipe ticks force full recomputation, 1F1B ticks (selective) are faster for the same policy.
+    gp = {(r["doclens"], r["gpus"], r["policy"], r["pingpong"]): r for r in quick_pp_gpipe}
     for r in quick_pp:
-        tick = r["policy"] in simulate.TICK_POLICIES
-        assert r["in_flight"] == (8 if tick else 4)
-        if r["policy"] != "wlb_ideal":
-            assert r["recompute"] == simulate.recompute_mode(a8, 131072, r["dp"], 4, r["in_flight"])
-        assert r["recompute"] == ("full" if tick else "selective") and r["fits_memory"]
+        if r["policy"] in simulate.TICK_POLICIES:
+            assert r["step_s"] < gp[(r["doclens"], r["gpus"], r["policy"], r["pingpong"])]["step_s"]
 
 
 @pytest.mark.parametrize("bad", [["--latency-scale", "-1"], ["--wlb-token-cap", "0.5"], ["--op-overhead-scale", "-0.1"],
@@ -550,3 +570,185 @@ def test_cli_rejects_bad_model_knobs_in_both_modes(bad, mode):
     with pytest.raises(SystemExit), contextlib.redirect_stderr(err):
         simulate.main([*mode, *bad, "--quick", "--no-plot"])
     assert bad[0] in err.getvalue()
+
+
+# ---- tick-synchronous 1F1B (--pp-schedule 1f1b, the default) -----------------------------
+
+
+def _table(schedule, P, M):
+    """Per tick (1F1B) or sub-tick (GPipe), per stage: (forward micro-batch, backward micro-batch)."""
+    if schedule == "1f1b":
+        return [list(zip(*simulate.tick1f1b_microbatches(k, P, M))) for k in range(M + 2 * P - 2)]
+    return [[(m, None) if d == "F" else (None, m) for m in a] for d, a in simulate.pp_subticks("gpipe", P, M)]
+
+
+def test_tick1f1b_order_for_four_microbatches_on_two_stages():
+    """M = 4, P = 2: the paper's tick-synchronous 1F1B, (forward, backward) micro-batch per stage and tick:
+    one warm-up tick, four steady ticks, one cool-down tick; GPipe: 5 forward then 5 backward ticks."""
+    n = None
+    assert _table("1f1b", 2, 4) == [
+        [(0, n), (n, n)],
+        [(1, n), (0, 0)],
+        [(2, 0), (1, 1)],
+        [(3, 1), (2, 2)],
+        [(n, 2), (3, 3)],
+        [(n, 3), (n, n)],
+    ]
+    assert _table("gpipe", 2, 4) == [
+        [(0, n), (n, n)], [(1, n), (0, n)], [(2, n), (1, n)], [(3, n), (2, n)], [(n, n), (3, n)],
+        [(n, n), (n, 3)], [(n, 3), (n, 2)], [(n, 2), (n, 1)], [(n, 1), (n, 0)], [(n, 0), (n, n)],
+    ]  # fmt: skip
+    assert [d for d, _ in simulate.pp_subticks("1f1b", 2, 4)] == list("FFBFBFBFBB")
+    assert simulate.pp_p2p_transfers("1f1b", 2, 4) == 5 and simulate.pp_p2p_transfers("gpipe", 2, 4) == 8
+
+
+@pytest.mark.parametrize("P,M", [(1, 3), (2, 4), (3, 2), (4, 8), (4, 16), (8, 16), (5, 3)])
+def test_tick1f1b_runs_every_pass_once_in_dependency_order_and_holds_2p_minus_1(P, M):
+    """Every (stage, micro-batch) runs its forward and backward once, each after what it needs (the previous
+    stage's forward, the next stage's backward, in an earlier sub-tick; the last stage's own forward); the
+    activations live on stage s peak at min(M, 2(P-s)-1) (GPipe: M), bubble as GPipe's."""
+    for sched in simulate.PP_SCHEDULES:
+        subs = simulate.pp_subticks(sched, P, M)
+        assert sum(d == "F" for d, _ in subs) == sum(d == "B" for d, _ in subs) == M + P - 1
+        done, live, peak = {}, [set() for _ in range(P)], [0] * P
+        for i, (d, assign) in enumerate(subs):
+            for s, m in enumerate(assign):
+                if m is None:
+                    continue
+                assert (d, s, m) not in done
+                if d == "F":
+                    assert s == 0 or done[("F", s - 1, m)] < i
+                    live[s].add(m)
+                else:
+                    assert done[("B", s + 1, m)] < i if s < P - 1 else done[("F", s, m)] <= i
+                    live[s].discard(m)
+                done[(d, s, m)] = i
+            peak = [max(p, len(x)) for p, x in zip(peak, live)]
+        assert len(done) == 2 * P * M
+        assert peak == simulate.in_flight_per_stage(sched, P, M)
+        if sched == "1f1b":
+            assert peak == [min(M, 2 * (P - s) - 1) for s in range(P)]
+    assert simulate.in_flight_per_stage("1f1b", P, M, cad=False) == [min(M, P - s) for s in range(P)]
+
+
+@pytest.mark.parametrize("P,M", [(2, 4), (4, 8), (3, 7)])
+def test_megatron_1f1b_graph_order_and_critical_path(P, M):
+    """The baselines' Megatron 1F1B: each stage's order holds at most min(M, P-s) micro-batches and keeps
+    every dependency; with equal stage times and no P2P its critical path is GPipe's (M+P-1)(f+b), and
+    on random times it is never shorter than the longest stage's own work."""
+    for s in range(P):
+        order, live, peak = simulate.stage_order("1f1b", P, M, s), set(), 0
+        for d, m in order:
+            live.add(m) if d == "F" else live.discard(m)
+            peak = max(peak, len(live))
+        assert peak == min(M, P - s) and sorted(order) == sorted([(d, m) for d in "FB" for m in range(M)])
+    f = np.full((1, P, M), 2.0)
+    for sched in simulate.PP_SCHEDULES:
+        assert simulate.pipeline_time(f, 2 * f, 0.0, sched)[0] == pytest.approx((M + P - 1) * 6.0)
+        # Each P2P on the path is exposed: at least the first forward's and the last backward's chain.
+        assert simulate.pipeline_time(f, 2 * f, 0.5, sched)[0] >= (M + P - 1) * 6.0 + 2 * (P - 1) * 0.5 - 1e-9
+    rng = np.random.default_rng(3)
+    f, b = rng.exponential(1.0, (2, 4, P, M))
+    t = simulate.pipeline_time(f, b, 0.1, "1f1b")
+    assert np.all(t >= (f + b).sum(axis=2).max(axis=1) - 1e-9)
+
+
+def _stage_costs(per_mb, assign, DP):
+    """RankCosts over P x DP ranks of one sub-tick: stage s's ranks carry micro-batch assign[s]'s per-rank
+    costs (the same on every stage), idle stages none."""
+    z = np.zeros(DP)
+    parts = [per_mb[m] if m is not None else (z,) * 5 for m in assign]
+    cat = [np.concatenate([p[k] for p in parts]) for k in range(5)]
+    R = len(assign) * DP
+    return simulate.RankCosts(*cat, np.zeros(R, np.int64), np.zeros(R))
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_1f1b_step_never_slower_than_gpipe_with_the_same_plans(recompute):
+    """Plans whose per-rank costs depend only on the micro-batch (the same on every stage, no head): the
+    1F1B backward sub-ticks see the same windows of P consecutive micro-batches as GPipe's backward ticks,
+    so with the same recomputation (memory not binding) the tick-synchronous 1F1B step equals GPipe's
+    without P2P and is shorter with it (M + 2P - 3 transfers against 2(M + P - 2))."""
+    rng = np.random.default_rng(7)
+    for P, M in ((2, 4), (4, 8), (3, 5)):
+        DP, layers, lin = 2, 4, 0.05
+        per_mb = [tuple(rng.exponential(0.02, DP) for _ in range(5)) for _ in range(M)]
+        sub = [(d, _stage_costs(per_mb, a, DP), np.repeat([m is not None for m in a], DP))
+               for d, a in simulate.pp_subticks("1f1b", P, M)]  # fmt: skip
+        ticks = [(_stage_costs(per_mb, a, DP), np.repeat([m is not None for m in a], DP))
+                 for _, a in simulate.pp_subticks("gpipe", P, M)[: M + P - 1]]  # fmt: skip
+        for pingpong in (False, True):
+            for p2p in (0.0, 0.01):
+                one = simulate.pp_subtick_step(sub, P, layers, lin, 0.0, 2.5, pingpong, p2p,
+                                               simulate.pp_p2p_transfers("1f1b", P, M), (1e-3, 2e-3), recompute)
+                gp = simulate.pp_tick_step(ticks, P, layers, lin, 0.0, 2.5, pingpong, p2p, (1e-3, 2e-3), recompute)
+                if p2p == 0:
+                    assert one.step_s == pytest.approx(gp.step_s)
+                    assert one.idle_frac == pytest.approx(gp.idle_frac)
+                else:
+                    assert one.step_s < gp.step_s
+                    assert gp.step_s - one.step_s == pytest.approx((M - 1) * p2p)
+
+
+def test_tick1f1b_step_without_attention_is_the_bubble():
+    """Linear layers only, no P2P: every forward sub-tick lasts L/P x lin, every backward one 2 x that, so
+    the step is 3 x layers x lin x (M + P - 1) and the idle share is the bubble fraction; P2P adds
+    M + 2P - 3 transfers."""
+    P, M, DP, layers, lin = 4, 6, 2, 3, 0.5
+    R = P * DP
+    z = np.zeros(R)
+    sub = [(d, simulate.RankCosts(z, z, z, z, z, np.zeros(R, np.int64), z), np.repeat([m is not None for m in a], DP))
+           for d, a in simulate.pp_subticks("1f1b", P, M)]  # fmt: skip
+    for pingpong in (False, True):
+        st = simulate.pp_subtick_step(sub, P, layers, lin, 0.0, 2.0, pingpong, 0.0, 0)
+        assert st.step_s == pytest.approx(3 * layers * lin * (M + P - 1))
+        assert st.idle_frac == pytest.approx(simulate.bubble_fraction(P, M))
+        assert st.bound_s == pytest.approx(st.step_s)
+        st = simulate.pp_subtick_step(sub, P, layers, lin, 0.0, 2.0, pingpong, 0.25, M + 2 * P - 3)
+        assert st.step_s == pytest.approx(3 * layers * lin * (M + P - 1) + 0.25 * (M + 2 * P - 3))
+
+
+def test_phase_pair_is_pingpong_over_two_plans():
+    """Two equal halves of one plan give _phase's ping-pong; the pair is never longer than running both
+    nano-batches one after the other, and at least each one's compute."""
+    rng = np.random.default_rng(11)
+    for _ in range(50):
+        lin, attn, disp, ret, ld, lr = rng.exponential(1.0, 6)
+        h = 0.5
+        pair = simulate._phase_pair((h * lin, h * lin), (h * attn, h * attn), (h * disp, h * disp),
+                                    (h * ret, h * ret), ((ld, lr), (ld, lr)))  # fmt: skip
+        assert pair == pytest.approx(simulate._phase(lin, attn, disp, ret, True, (ld, lr)))
+        la, lb, aa, ab, da, db, ra, rb = rng.exponential(1.0, 8)
+        x = simulate._phase_pair((la, lb), (aa, ab), (da, db), (ra, rb), ((0.0, 0.0), (0.0, 0.0)))
+        assert max(la + lb + aa + ab, da + db + ra + rb) - 1e-12 <= x <= la + lb + aa + ab + da + db + ra + rb + 1e-12
+
+
+def test_nano_batch_tick_layouts_carry_exactly_the_microbatches_attention():
+    """A 1F1B backward sub-tick's stages hold micro-batches u + s; split into two nano-batches as the
+    runtime does (split_nano_batches, the second continuing documents of the first), the two joint layouts
+    keep every stage's block and together carry the same attention pairs as the sub-tick's whole layout."""
+    from distca import split_nano_batches
+
+    P, M, DP, T = 3, 4, 2, 2048
+    mbs = _microbatches(M, DP, T, seed=5)
+    nanos = [split_nano_batches(lay, "stream") for lay in mbs]
+    shape = MODEL_SHAPES["llama3-8b"]
+    for k in (2, 4, 7):  # backward sub-ticks: the first (last stage only), a steady one, the last (stage 0 only)
+        _, assign = simulate.tick1f1b_microbatches(k, P, M)
+        whole, active = simulate.tick_layout(mbs, k, P, assign)
+        n0, a0 = simulate.stage_layout([None if m is None else nanos[m][0] for m in assign], DP, T // 2)
+        n1, a1 = simulate.stage_layout([None if m is None else nanos[m][1] for m in assign], DP, T // 2)
+        assert np.array_equal(active, a0) and np.array_equal(active, a1)
+        assert active.sum() == DP * sum(m is not None for m in assign)
+        pairs = [plan(x, "distca", shape=shape, cost_model="h200").pairs.sum() for x in (whole, n0, n1)]
+        assert pairs[0] == pairs[1] + pairs[2] > 0
+        assert n1.context and all(e[2] <= n0.ranks * n0.tokens_per_rank for e in n1.context)
+
+
+def test_pp_schedule_gpipe_keeps_the_old_tick_model(quick_pp_gpipe):
+    """--pp-schedule gpipe: the tick policies run GPipe ticks (one plan per tick), the baselines the GPipe
+    graph, and the rows say so."""
+    for r in quick_pp_gpipe:
+        tick = r["policy"] in simulate.TICK_POLICIES
+        assert r["schedule"] == ("tick_gpipe" if tick else "gpipe") and r["settings"]["pp_schedule"] == "gpipe"
+        assert r["p2p_transfers"] == (2 * (8 + 4 - 2) if tick else None)
