@@ -472,28 +472,25 @@ def _items(placement, *, R=4, T=64, nano=1, M=1, steps=4, lens=_MIXED, **kw):
 
 
 def _group_pieces(items, step, R, T, nano, M):
-    """The step's pieces over the group's ranks, rebuilt from each rank's item: the group windows
-    (rank rows concatenated, nano-batch halves put back in stream order) cut at ``cu_seqlens``."""
+    """The step's pieces over the group's ranks, rebuilt from each rank's item: per micro-batch, the
+    group window (rank rows concatenated, nano-batch halves put back in stream order) cut at its
+    pieces (nano-batch 1's ``cu_seqlens`` shifted by nano-batch 0's tokens; a document that
+    nano-batch 1 continues, ``context_1``, is rejoined across the split)."""
     half = T // nano
     pieces = []
     for m in range(M):
         cols = []
         for key in ("input", "labels", "positions"):
-            rows = [(d[key] if key != "labels" else lab)[m] for d, lab in (items[r][step] for r in range(R))]
+            rows = [(lab if key == "labels" else d[key])[m] for d, lab in (items[r][step] for r in range(R))]
             cols.append(torch.cat([rows[r][n * half : (n + 1) * half] for n in range(nano) for r in range(R)]))
         d0 = items[0][step][0]
-        cus = [d0["cu_seqlens" if m * nano + n == 0 else f"cu_seqlens_{m * nano + n}"] for n in range(nano)]
-        cu = torch.cat([cus[0], *(c[1:] + n * R * half for n, c in enumerate(cus) if n)]) if nano > 1 else cus[0]
-        # With two nano-batches a piece cut by the split is rejoined (context_1 continues it).
-        cu = torch.unique(cu) if nano == 1 else torch.tensor(sorted(set(cu.tolist()) - _split_cuts(d0, m, nano, R, half)))
-        pieces += _pieces(cu, *cols)
+        cuts = set(d0["cu_seqlens" if m == 0 else f"cu_seqlens_{m * nano}"].tolist())
+        if nano == 2:
+            cuts |= {c + R * half for c in d0[f"cu_seqlens_{m * 2 + 1}"].tolist()}
+            if d0[f"context_{m * 2 + 1}"].numel():
+                cuts.discard(R * half)
+        pieces += _pieces(torch.tensor(sorted(cuts)), *cols)
     return pieces
-
-
-def _split_cuts(d0, m, nano, R, half) -> set[int]:
-    """The stream position where nano-batch 1 continues a document of nano-batch 0 (if it does)."""
-    ctx = d0[f"context_{m * nano + 1}"]
-    return {R * half} if ctx.numel() else set()
 
 
 @pytest.mark.parametrize("nano, M", [(1, 1), (2, 1), (1, 3), (2, 2)])
@@ -602,3 +599,29 @@ def test_placement_errors():
         validate(CoreAttention(placement=1), dp_size=2)
     assert get_args(PlacementName) == PLACEMENTS
     assert CoreAttention().placement == "none"
+
+
+def test_placed_dataloader_resumes_from_its_state_dict(tok):
+    """build_ca_dataloader with placement: both ranks of the group get the same placed layouts, and
+    torchtitan's loader state (the stream position) resumes to the same items."""
+    from torchtitan_ext.data import PLACEMENT_KEY
+
+    R, T = 2, 256
+    jc = _job_config("synthetic_prolong")
+
+    def loader(dp_rank):
+        return build_ca_dataloader(jc, tok, dp_rank, R, dp_rank, R, T, seed=5, placement="balance", cost_model="cpu")
+
+    ref = [b for _, b in zip(range(5), loader(1))]
+    other = [b for _, b in zip(range(5), loader(0))]
+    for (d1, _), (d0, _) in zip(ref, other):
+        assert torch.equal(d1["cu_seqlens"], d0["cu_seqlens"]) and torch.equal(d1[PLACEMENT_KEY], d0[PLACEMENT_KEY])
+    assert any(d[PLACEMENT_KEY][1] < d[PLACEMENT_KEY][0] for d, _ in ref)
+    ld = loader(1)
+    it = iter(ld)
+    [next(it) for _ in range(2)]
+    sd = ld.state_dict()
+    resumed = loader(1)
+    resumed.load_state_dict(sd)
+    for (da, la), (db, lb) in zip(ref[2:], [b for _, b in zip(range(3), resumed)]):
+        assert da.keys() == db.keys() and all(torch.equal(da[k], db[k]) for k in da) and torch.equal(la, lb)
