@@ -625,3 +625,22 @@ def test_placed_dataloader_resumes_from_its_state_dict(tok):
     resumed.load_state_dict(sd)
     for (da, la), (db, lb) in zip(ref[2:], [b for _, b in zip(range(3), resumed)]):
         assert da.keys() == db.keys() and all(torch.equal(da[k], db[k]) for k in da) and torch.equal(la, lb)
+
+
+def test_placement_imbalance_is_the_planners_colocated_imbalance():
+    """The reported before/after numbers are what ``distca.plan`` models for the stream-order and the
+    placed layouts (same cost model and shape), so the trainer's colocated imbalance starts from them."""
+    import distca
+    from distca import ModelShape
+    from torchtitan_ext.data import place_windows
+
+    shape = ModelShape(16, 16, 16, 4)  # the debug model's, as the converter gives the planner
+    stream = make_stream("synthetic_pretrain", window_tokens=1024, seed=0)
+    state = StreamState()
+    for _ in range(3):
+        w = group_window(stream, state, 2, 512)
+        state = w.next_state
+        p = place_windows([w], 2, 512, cost_model="cpu", shape=shape)
+        for win, got in ((w, p.imbalance_before), (p.windows[0], p.imbalance_after)):
+            col = distca.plan(Layout(tuple(win.cu_seqlens.tolist()), 2, 512), "colocated", shape=shape, cost_model="cpu")
+            assert got == pytest.approx(col.imbalance, rel=1e-12)
