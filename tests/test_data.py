@@ -385,3 +385,262 @@ def test_validation_errors(tok):
     with pytest.raises(ValueError, match="scale must be"):
         SyntheticStream("pretrain", scale=0.0)
     assert set(DATASETS) == {"stdlib", "stdlib_defs", "synthetic_pretrain", "synthetic_prolong"}
+
+
+# ---- placement (``placement = "balance"``) ------------------------------------------------------
+
+# Mixed lengths: long documents next to short ones, so the stream order is unbalanced and
+# placement has work to do on most steps.
+_MIXED = [300, 7, 40, 3, 180, 11, 5, 90, 2, 60, 25, 130, 9, 4]
+
+
+def _pieces(cu: torch.Tensor, *cols: torch.Tensor) -> list[tuple]:
+    """One tuple per ``cu_seqlens`` piece: the piece's values of every column (tokens, labels, ...)."""
+    cu = cu.tolist()
+    return [tuple(tuple(c[a:b].tolist()) for c in cols) for a, b in zip(cu[:-1], cu[1:])]
+
+
+def _windows(stream, state, M, R, T):
+    out = []
+    for _ in range(M):
+        w = group_window(stream, state, R, T)
+        out.append(w)
+        state = w.next_state
+    return out, state
+
+
+@pytest.mark.parametrize("nano", [1, 2])
+@pytest.mark.parametrize("M", [1, 3])
+def test_placed_windows_hold_the_same_pieces_with_consistent_labels_and_positions(nano, M):
+    """place_windows only moves whole pieces (tokens, labels and positions together) within the
+    step; the placed ``cu_seqlens`` is ``distca.place``'s layout, labels are the next token inside
+    each piece (the piece's last one keeps its -100 or, at a cut window end, its real next token),
+    positions run from 0 in every piece; and it lowers the modelled imbalance."""
+    from torchtitan_ext.data import place_windows
+
+    stream, R, T = ListStream(_MIXED), 4, 64
+    state, moved, lowered = StreamState(), 0, 0
+    for _ in range(4):
+        windows, after = _windows(stream, state, M, R, T)
+        p = place_windows(windows, R, T, nano_batches=nano)
+        assert len(p.windows) == M and [w.next_state for w in p.windows] == [w.next_state for w in windows]
+        before = [pc for w in windows for pc in _pieces(w.cu_seqlens, w.tokens, w.labels, w.positions)]
+        placed = [pc for w in p.windows for pc in _pieces(w.cu_seqlens, w.tokens, w.labels, w.positions)]
+        assert sorted(placed) == sorted(before)  # the same pieces, each whole with its labels and positions
+        for w in p.windows:
+            assert w.tokens.shape == w.labels.shape == w.positions.shape == (R * T,)
+            lay = Layout(tuple(w.cu_seqlens.tolist()), R * nano, T // nano)  # a valid distca layout
+            assert w.positions.tolist() == np.concatenate([lay.positions(r) for r in range(R * nano)]).tolist()
+            for toks, labs, _ in _pieces(w.cu_seqlens, w.tokens, w.labels, w.positions):
+                assert labs[:-1] == toks[1:]  # ListStream tokens are consecutive inside a document
+                assert labs[-1] in (IGNORE_INDEX, toks[-1] + 1)
+        assert p.imbalance_after <= p.imbalance_before
+        moved += any(not torch.equal(a.tokens, b.tokens) for a, b in zip(windows, p.windows))
+        lowered += p.imbalance_after < p.imbalance_before
+        state = after
+    assert moved and lowered  # placement really reordered documents and lowered the modelled max
+
+
+def test_placement_lowers_a_known_window_and_is_deterministic():
+    """A window whose long document sits on rank 0: placement spreads the work (the exact orders are
+    ``distca.place``'s, tested in tests/test_placement.py)."""
+    from torchtitan_ext.data import place_windows
+
+    # Stream order: rank 0 holds both 500-token documents, rank 1 only 16-token ones.
+    stream = ListStream([500, 500] + [16] * 70)
+    w = group_window(stream, StreamState(), 2, 1024)
+    a = place_windows([w], 2, 1024)
+    b = place_windows([w], 2, 1024, cost_model="cpu", shape="llama3-8b")  # the defaults, spelled out
+    assert a.imbalance_before > 1.3 and a.imbalance_after < 1.01, (a.imbalance_before, a.imbalance_after)
+    for x, y in zip(a.windows[0], b.windows[0]):
+        assert x == y if isinstance(x, StreamState) else torch.equal(x, y)
+    cu = a.windows[0].cu_seqlens.numpy()
+    big = cu[:-1][np.diff(cu) == 500]
+    assert (big // 1024).tolist() == [0, 1] and np.all(big % 1024 + 500 <= 1024), cu  # one whole per rank
+
+
+def _items(placement, *, R=4, T=64, nano=1, M=1, steps=4, lens=_MIXED, **kw):
+    """``steps`` items of every CA rank: list over ranks of lists of (input_dict, labels)."""
+    stream = ListStream(lens)
+    out = []
+    for r in range(R):
+        ds = CAPackedDataset(stream, group=0, ca_rank=r, ca_degree=R, seq_len=T, nano_batches=nano, microbatches=M,
+                             placement=placement, **kw)  # fmt: skip
+        it = iter(ds)
+        out.append([next(it) for _ in range(steps)])
+    return out
+
+
+def _group_pieces(items, step, R, T, nano, M):
+    """The step's pieces over the group's ranks, rebuilt from each rank's item: per micro-batch, the
+    group window (rank rows concatenated, nano-batch halves put back in stream order) cut at its
+    pieces (nano-batch 1's ``cu_seqlens`` shifted by nano-batch 0's tokens; a document that
+    nano-batch 1 continues, ``context_1``, is rejoined across the split)."""
+    half = T // nano
+    pieces = []
+    for m in range(M):
+        cols = []
+        for key in ("input", "labels", "positions"):
+            rows = [(lab if key == "labels" else d[key])[m] for d, lab in (items[r][step] for r in range(R))]
+            cols.append(torch.cat([rows[r][n * half : (n + 1) * half] for n in range(nano) for r in range(R)]))
+        d0 = items[0][step][0]
+        cuts = set(d0["cu_seqlens" if m == 0 else f"cu_seqlens_{m * nano}"].tolist())
+        if nano == 2:
+            cuts |= {c + R * half for c in d0[f"cu_seqlens_{m * 2 + 1}"].tolist()}
+            if d0[f"context_{m * 2 + 1}"].numel():
+                cuts.discard(R * half)
+        pieces += _pieces(torch.tensor(sorted(cuts)), *cols)
+    return pieces
+
+
+@pytest.mark.parametrize("nano, M", [(1, 1), (2, 1), (1, 3), (2, 2)])
+def test_placed_items_hold_the_step_documents_of_the_unplaced_items(nano, M):
+    """Across the group's ranks a placed item holds exactly the unplaced item's document pieces
+    (whole, with their labels and positions), under nano-batches and pipeline micro-batches too;
+    every rank gets the same layouts; the item reports its modelled imbalance before and after."""
+    from torchtitan_ext.data import PLACEMENT_KEY, pop_placement
+
+    R, T, steps = 4, 64, 4
+    plain, placed = _items("none", nano=nano, M=M, steps=steps), _items("balance", nano=nano, M=M, steps=steps)
+    differs = 0
+    for s in range(steps):
+        assert sorted(_group_pieces(placed, s, R, T, nano, M)) == sorted(_group_pieces(plain, s, R, T, nano, M))
+        layouts = [{k: v for k, v in d.items() if k != "input" and k != "positions" and k != PLACEMENT_KEY}
+                   for d, _ in (placed[r][s] for r in range(R))]  # fmt: skip
+        for other in layouts[1:]:  # every rank of the group holds the same (placed) layouts
+            assert other.keys() == layouts[0].keys() and all(torch.equal(other[k], layouts[0][k]) for k in other)
+        d = dict(placed[0][s][0])
+        before, after = pop_placement(d)
+        assert PLACEMENT_KEY not in d and PLACEMENT_KEY not in plain[0][s][0]
+        assert 1.0 <= after <= before
+        differs += not torch.equal(placed[0][s][0]["cu_seqlens"], plain[0][s][0]["cu_seqlens"])
+    assert differs
+
+
+@pytest.mark.parametrize("nano, M", [(1, 1), (2, 2)])
+def test_placement_none_is_todays_item(nano, M):
+    """``placement = "none"`` (the default) gives byte for byte the item built from the stream's
+    windows by rank_batch / nano_rank_batch, with no extra key."""
+    from torchtitan_ext.data import nano_rank_batch
+
+    stream, R, T = ListStream(_MIXED), 4, 64
+    ds = CAPackedDataset(stream, group=0, ca_rank=1, ca_degree=R, seq_len=T, nano_batches=nano, microbatches=M)
+    explicit = _items("none", nano=nano, M=M, steps=3)[1]
+    one = rank_batch if nano == 1 else nano_rank_batch
+    it, state = iter(ds), StreamState()
+    for s in range(3):
+        d, lab = next(it)
+        windows, state = _windows(stream, state, M, R, T)
+        rows = [one(w, 1, T) for w in windows]
+        assert torch.equal(lab, torch.cat([x for _, x in rows]))
+        assert torch.equal(d["input"], torch.cat([x["input"] for x, _ in rows]))
+        assert torch.equal(d["positions"], torch.cat([x["positions"] for x, _ in rows]))
+        assert torch.equal(d["cu_seqlens"], rows[0][0]["cu_seqlens"])
+        assert not any(k.startswith("placement") for k in d)
+        assert d.keys() == explicit[s][0].keys() and all(torch.equal(d[k], explicit[s][0][k]) for k in d)
+        assert torch.equal(lab, explicit[s][1])
+
+
+@pytest.mark.parametrize("nano, M", [(1, 1), (2, 2)])
+def test_placed_items_carry_the_placed_next_layout_and_resume(nano, M):
+    """The look-ahead keys (``next_*``) are the next item's placed layouts; the checkpointed state
+    is the stream position (equal to the unplaced loader's), so a resume draws the same items and a
+    checkpoint moves between placement settings."""
+    from torchtitan_ext.data import LAYOUT_KEYS
+
+    stream, R, T = ListStream(_MIXED), 4, 64
+
+    def ds(placement="balance"):
+        return CAPackedDataset(stream, group=0, ca_rank=2, ca_degree=R, seq_len=T, nano_batches=nano,
+                               microbatches=M, placement=placement)  # fmt: skip
+
+    a, plain = ds(), ds("none")
+    ia, ip = iter(a), iter(plain)
+    ref, states, prev = [], [], None
+    for _ in range(5):
+        d, lab = next(ia)
+        next(ip)
+        ref.append((d, lab))
+        states.append(a.state_dict())
+        assert states[-1] == plain.state_dict()
+        if prev is not None:
+            keys = [k for k in d if k in LAYOUT_KEYS or k.startswith(("cu_seqlens_", "context_"))]
+            assert keys and all(torch.equal(prev[f"next_{k}"], d[k]) for k in keys)
+        prev = d
+    resumed = ds()
+    resumed.load_state_dict(states[1])
+    it = iter(resumed)
+    for d, lab in ref[2:]:
+        d2, lab2 = next(it)
+        assert d2.keys() == d.keys() and all(torch.equal(d2[k], d[k]) for k in d) and torch.equal(lab2, lab)
+    cross = ds("none")  # a checkpoint of the placed loader resumes an unplaced one at the same position
+    cross.load_state_dict(states[1])
+    assert cross.state_dict() == states[1]
+
+
+def test_placement_errors():
+    from torchtitan_ext.config import CoreAttention, PlacementName, validate
+    from torchtitan_ext.data import PLACEMENTS, place_windows
+    from typing import get_args
+
+    stream = ListStream(_MIXED)
+    with pytest.raises(ValueError, match=r"placement must be one of \['none', 'balance'\], got 'lpt'"):
+        CAPackedDataset(stream, group=0, ca_rank=0, ca_degree=2, seq_len=64, placement="lpt")
+    w = group_window(stream, StreamState(), 2, 64)
+    with pytest.raises(ValueError, match=r"windows\[0\] holds 128 tokens .*ranks\*tokens_per_rank=4\*64=256"):
+        place_windows([w], 4, 64)
+    with pytest.raises(ValueError, match=r"nano_batches must be 1 or 2 and divide tokens_per_rank=64, got 3"):
+        place_windows([w], 2, 64, nano_batches=3)
+    with pytest.raises(ValueError, match="windows must hold at least one window"):
+        place_windows([], 2, 64)
+    with pytest.raises(ValueError, match=r"core_attention.placement='lpt' is unknown; choose one of \['none', 'balance'\]"):
+        validate(CoreAttention(placement="lpt"), dp_size=2)
+    with pytest.raises(TypeError, match=r"core_attention.placement=1 must be a string"):
+        validate(CoreAttention(placement=1), dp_size=2)
+    assert get_args(PlacementName) == PLACEMENTS
+    assert CoreAttention().placement == "none"
+
+
+def test_placed_dataloader_resumes_from_its_state_dict(tok):
+    """build_ca_dataloader with placement: both ranks of the group get the same placed layouts, and
+    torchtitan's loader state (the stream position) resumes to the same items."""
+    from torchtitan_ext.data import PLACEMENT_KEY
+
+    R, T = 2, 256
+    jc = _job_config("synthetic_prolong")
+
+    def loader(dp_rank):
+        return build_ca_dataloader(jc, tok, dp_rank, R, dp_rank, R, T, seed=5, placement="balance", cost_model="cpu")
+
+    ref = [b for _, b in zip(range(5), loader(1))]
+    other = [b for _, b in zip(range(5), loader(0))]
+    for (d1, _), (d0, _) in zip(ref, other):
+        assert torch.equal(d1["cu_seqlens"], d0["cu_seqlens"]) and torch.equal(d1[PLACEMENT_KEY], d0[PLACEMENT_KEY])
+    assert any(d[PLACEMENT_KEY][1] < d[PLACEMENT_KEY][0] for d, _ in ref)
+    ld = loader(1)
+    it = iter(ld)
+    [next(it) for _ in range(2)]
+    sd = ld.state_dict()
+    resumed = loader(1)
+    resumed.load_state_dict(sd)
+    for (da, la), (db, lb) in zip(ref[2:], [b for _, b in zip(range(3), resumed)]):
+        assert da.keys() == db.keys() and all(torch.equal(da[k], db[k]) for k in da) and torch.equal(la, lb)
+
+
+def test_placement_imbalance_is_the_planners_colocated_imbalance():
+    """The reported before/after numbers are what ``distca.plan`` models for the stream-order and the
+    placed layouts (same cost model and shape), so the trainer's colocated imbalance starts from them."""
+    import distca
+    from distca import ModelShape
+    from torchtitan_ext.data import place_windows
+
+    shape = ModelShape(16, 16, 16, 4)  # the debug model's, as the converter gives the planner
+    stream = make_stream("synthetic_pretrain", window_tokens=1024, seed=0)
+    state = StreamState()
+    for _ in range(3):
+        w = group_window(stream, state, 2, 512)
+        state = w.next_state
+        p = place_windows([w], 2, 512, cost_model="cpu", shape=shape)
+        for win, got in ((w, p.imbalance_before), (p.windows[0], p.imbalance_after)):
+            col = distca.plan(Layout(tuple(win.cu_seqlens.tolist()), 2, 512), "colocated", shape=shape, cost_model="cpu")
+            assert got == pytest.approx(col.imbalance, rel=1e-12)

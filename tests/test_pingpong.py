@@ -321,3 +321,19 @@ def test_trainer_pingpong_is_exact_and_compiles(titan, two):
     for st, mib in tb["ca/fwd_MiB_per_layer"].items():
         if mib == 0:
             assert tb["ca/exposed_comm_s"][st] == 0.0, (st, tb["ca/exposed_comm_s"][st])
+
+
+@pytest.mark.slow
+def test_trainer_pingpong_with_placement_is_exact(titan, two):
+    """``placement = "balance"`` with two nano-batches: each window is placed as 2R slots of T/2
+    (what the two nano-batch plans balance) and then split as without placement; the step trains on
+    the same tokens, so losses and grad norms equal the run without nano-batches or placement."""
+    tt, run = titan
+    placed = run("pingpong_placed", 2, "--core_attention.pingpong", "--core_attention.placement", "balance")
+    log, tb, _ = placed
+    assert "2 nano-batch(es), ping-pong" in log, log[-3000:]
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm"):
+        got, want = ([r[1][tag][s] for s in sorted(r[1][tag])] for r in (placed, two))
+        assert len(got) == tt._STEPS and got == pytest.approx(want, rel=1e-5), (tag, got, want)
+    before, after = tb["ca/placement_imbalance_before"], tb["ca/placement_imbalance_after"]
+    assert all(after[s] <= before[s] for s in before) and any(after[s] < before[s] for s in before), (before, after)

@@ -148,13 +148,17 @@ def test_every_key_is_a_cli_flag_and_toml_key(tmp_path):
             "--core_attention.cost_model", "h200",
             "--core_attention.no-pingpong",
             "--core_attention.capacity_mib", "64",
+            "--core_attention.placement", "balance",
         ]
     )  # fmt: skip
     ca = cfg.core_attention
     assert (ca.enable, ca.degree, ca.policy, ca.tolerance, ca.mode) == (True, 2, "greedy", 0.1, "keep")
     assert (ca.backend, ca.min_shard, ca.cost_model, ca.pingpong, ca.capacity_mib) == ("cpu", 64, "h200", False, 64)
+    assert ca.placement == "balance"
     with pytest.raises(SystemExit):  # Literal choices are checked by the CLI parser
         ConfigManager().parse_args([f"--job.config_file={toml}", "--core_attention.policy", "fastest"])
+    with pytest.raises(SystemExit):
+        ConfigManager().parse_args([f"--job.config_file={toml}", "--core_attention.placement", "lpt"])
 
 
 # ---- _compat ---------------------------------------------------------------------------------
@@ -406,6 +410,33 @@ def test_validation_plans_its_batches_and_matches_sdpa(sdpa, two):
     assert sorted(ca) == sorted(ref) == [1, 5, 10]
     for s in ca:
         assert ca[s] == pytest.approx(ref[s], rel=2e-5), (s, ca[s], ref[s])
+
+
+@pytest.fixture(scope="module")
+def placed(titan_dir, seed_ckpt):
+    """``two`` with ``--core_attention.placement balance``: each step's documents placed before planning."""
+    return _from_seed(2, titan_dir, seed_ckpt, "placed", "--core_attention.placement", "balance", *_validation(2))
+
+
+@pytest.mark.slow
+def test_placement_trains_as_the_stream_order(placed, two):
+    """Placement only moves whole documents between the ranks of a step: losses and grad norms equal
+    the unplaced run's (up to fp32 summation order), every step. The logged imbalance before
+    placement is what the planner sees without it (``two``'s colocated imbalance), after it what
+    the planner sees with it: the loader models what the planner models (cost model and shape)."""
+    log, tb, _ = placed
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm", "validation_metrics/loss"):
+        got, want = ([r[1][tag][s] for s in sorted(r[1][tag])] for r in (placed, two))
+        assert len(got) == len(want) >= 3 and got == pytest.approx(want, rel=1e-5), (tag, got, want)
+    steps = list(range(1, _STEPS + 1))
+    before, after = tb["ca/placement_imbalance_before"], tb["ca/placement_imbalance_after"]
+    assert sorted(before) == sorted(after) == steps and "ca/placement_imbalance_before" not in two[1]
+    for s in steps:
+        assert after[s] <= before[s]
+        assert before[s] == pytest.approx(two[1]["ca/imbalance_colocated"][s], rel=1e-5), s
+        assert after[s] == pytest.approx(tb["ca/imbalance_colocated"][s], rel=1e-5), s
+    assert sum(after[s] < before[s] - 1e-3 for s in steps) >= _STEPS // 2, (before, after)
+    assert len(re.findall(r"ca step\s+\d+ .* placement [0-9.]+ -> [0-9.]+", log)) == _STEPS, log[-3000:]
 
 
 @pytest.mark.slow

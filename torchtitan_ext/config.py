@@ -21,6 +21,7 @@ __all__ = [
 
 Policy = Literal["distca", "greedy", "per_doc_cp", "wlb_cp", "colocated"]
 Mode = Literal["resend", "keep"]
+PlacementName = Literal["none", "balance"]
 
 
 @dataclass
@@ -85,6 +86,15 @@ class CoreAttention:
     """Planner time model: "cpu", "h200", a path to a JSON cost model, or "auto"
     ("h200" when CUDA is available, else "cpu")."""
 
+    placement: PlacementName = "none"
+    """Document placement before planning: "none" keeps the stream's packing order; "balance"
+    reorders each step's whole documents across the CA group's ranks (and, under pipeline
+    parallelism, across the step's micro-batches) with ``distca.place`` so that every rank's
+    modelled attention work (``cost_model``) is as even as whole documents allow, cutting a document
+    only at a rank boundary. Exact (the same tokens and labels per step, so the same loss up to fp32
+    summation order), identical on every rank, and checkpoint-neutral. Applies only with
+    ``enable = true``; the metrics row gets ``ca/placement_imbalance_before`` and ``_after``."""
+
 
 @dataclass
 class JobConfig:
@@ -111,6 +121,7 @@ def _check_types(cfg: CoreAttention) -> None:
 _TYPES = {
     "enable": bool, "degree": int, "across_stages": bool, "policy": str, "tolerance": float, "mode": str,
     "backend": str, "min_shard": int, "pingpong": bool, "nano_batches": int, "capacity_mib": float, "cost_model": str,
+    "placement": str,
 }  # fmt: skip
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
@@ -166,6 +177,10 @@ def validate(
     if cfg.policy not in POLICIES:
         raise ValueError(
             f"core_attention.policy={cfg.policy!r} is unknown; choose one of {list(get_args(Policy))}"
+        )
+    if cfg.placement not in get_args(PlacementName):
+        raise ValueError(
+            f"core_attention.placement={cfg.placement!r} is unknown; choose one of {list(get_args(PlacementName))}"
         )
     if cfg.mode not in get_args(Mode):
         raise ValueError(f"core_attention.mode={cfg.mode!r} is unknown; choose one of {list(get_args(Mode))}")

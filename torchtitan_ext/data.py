@@ -26,6 +26,7 @@ Public surface:
     ``CAPackedDataset``       the stateful iterable dataset (DCP checkpoint/resume)
     ``group_window``          pure: one step's global window of a group's stream
     ``rank_batch``            slice a window into one rank's ``(input_dict, labels)``
+    ``place_windows``         pure: a step's windows with their documents placed (``distca.place``)
     ``make_stream``           a source's document stream for one CA group
     ``TOKENIZER_PATH``        the shipped offline tokenizer (``assets/tokenizer``)
 """
@@ -39,7 +40,7 @@ import re
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -48,12 +49,18 @@ from torch.utils.data import IterableDataset
 
 from distca.doclens import load_doclens
 
+if TYPE_CHECKING:
+    from distca.cost import CostModel, ModelShape
+
 __all__ = [
     # constants
     "DATASETS",
     "LAYOUT_KEYS",
     "is_layout_key",
     "pop_layout",
+    "PLACEMENTS",
+    "PLACEMENT_KEY",
+    "pop_placement",
     "IGNORE_INDEX",
     "TOKENIZER_PATH",
     # streams
@@ -70,6 +77,8 @@ __all__ = [
     "GroupWindow",
     "group_window",
     "rank_batch",
+    "PlacedStep",
+    "place_windows",
     # torchtitan
     "CAPackedDataset",
     "build_ca_dataloader",
@@ -108,6 +117,25 @@ def pop_layout(item: dict, prefix: str = "") -> "tuple[list[torch.Tensor], list[
     cus = [got["cu_seqlens"], *(got[f"cu_seqlens_{i}"] for i in range(1, n))]
     # A nano-batch may continue documents of the one before (nano_rank_batch).
     return cus, [None, *(got.get(f"context_{i}") for i in range(1, n))]
+
+
+PLACEMENTS = ("none", "balance")
+"""Valid ``placement`` values of the CA loader (``[core_attention] placement``): ``"none"`` keeps the
+stream's packing order; ``"balance"`` places each step's documents with :func:`place_windows`."""
+
+PLACEMENT_KEY = "placement_imbalance"
+"""Item key (float64 [2]) of a placed item: the modelled colocated imbalance (max / mean slot work)
+of the step's windows before and after placement. Not a layout key; :func:`pop_placement` removes it."""
+
+
+def pop_placement(item: dict) -> "tuple[float, float] | None":
+    """Remove :data:`PLACEMENT_KEY` from an item's input dict; returns (imbalance before, after) or
+    None if the item was not placed."""
+    got = item.pop(PLACEMENT_KEY, None)
+    if got is None:
+        return None
+    before, after = torch.as_tensor(got).reshape(-1).tolist()
+    return float(before), float(after)
 
 
 IGNORE_INDEX = -100
@@ -474,6 +502,118 @@ def rank_batch(window: GroupWindow, ca_rank: int, tokens_per_rank: int) -> tuple
     return input_dict, window.labels[sl].unsqueeze(0)  # [1, T]
 
 
+class PlacedStep(NamedTuple):
+    """A step's windows after :func:`place_windows`."""
+
+    windows: list[GroupWindow]
+    """The placed windows, one per micro-batch (``next_state`` of each is the input window's)."""
+    imbalance_before: float
+    """max / mean modelled colocated work over the step's slots, in the stream's order."""
+    imbalance_after: float
+    """The same after placement (``distca.Placement.imbalance``)."""
+    cross_micro_batch: bool
+    """Whether documents moved between micro-batches (``distca.Placement.cross_micro_batch``)."""
+
+
+def place_windows(
+    windows: list[GroupWindow],
+    ranks: int,
+    tokens_per_rank: int,
+    *,
+    nano_batches: int = 1,
+    cost_model: "CostModel | str | None" = None,
+    shape: "ModelShape | str | None" = None,
+) -> PlacedStep:
+    """Reorder the document pieces of one step's windows with ``distca.place`` (pure, deterministic).
+
+    Every piece of the windows (``cu_seqlens`` entries: whole documents, or the loader's cuts at a
+    window end) moves whole with its tokens, labels and positions, so the step holds exactly the
+    same tokens and label pairs; only which rank (and micro-batch) holds them changes. The placed
+    window's ``cu_seqlens`` is ``Placement.layouts[m]``'s; a piece that now crosses a rank boundary
+    is one document across ranks (CAD serves it exactly), and its positions still run from 0.
+
+    Slots are what one plan balances: with ``nano_batches = 1`` rank ``r`` of micro-batch ``m``
+    (``T`` tokens); with 2, each nano-batch's ``T / 2`` tokens of a rank (``nano_rank_batch``
+    gives rank ``r`` stream slots ``r`` and ``R + r`` of ``T / 2``), so the window is placed as
+    ``2R`` slots of ``T / 2`` and then split into nano-batches as without placement.
+
+    Args:
+        windows: M >= 1 consecutive windows of a group's stream (one per micro-batch), each
+            ``ranks * tokens_per_rank`` tokens.
+        ranks, tokens_per_rank: R and T of the CA group.
+        nano_batches: 1 or 2 (must divide T).
+        cost_model, shape: the planner's time model (``distca.place``'s; default ``"cpu"`` and
+            ``"llama3-8b"``).
+
+    Returns:
+        :class:`PlacedStep`; documents move between micro-batches when ``distca.place`` finds an
+        exact token split across them, else each window is placed on its own. Where the placed
+        order's imbalance is not lower than the stream order's, the windows are returned as given
+        (``imbalance_after == imbalance_before``): placement never makes the reported number worse.
+        (Imbalance, not the slowest slot alone: the two orders cut documents at different places,
+        so their total modelled work differs slightly.)
+    """
+    from distca import Layout, place
+
+    for arg, v in (("ranks", ranks), ("tokens_per_rank", tokens_per_rank)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{arg} must be an integer >= 1, got {v!r}")
+    if nano_batches not in (1, 2) or tokens_per_rank % nano_batches:
+        raise ValueError(f"nano_batches must be 1 or 2 and divide tokens_per_rank={tokens_per_rank}, got {nano_batches!r}")
+    if not windows:
+        raise ValueError("windows must hold at least one window, got none")
+    total = ranks * tokens_per_rank
+    for i, w in enumerate(windows):
+        if w.tokens.numel() != total or int(w.cu_seqlens[-1]) != total:
+            raise ValueError(
+                f"windows[{i}] holds {w.tokens.numel()} tokens (cu_seqlens ends at {int(w.cu_seqlens[-1])}); "
+                f"every window must hold ranks*tokens_per_rank={ranks}*{tokens_per_rank}={total}"
+            )
+    M, S, ts = len(windows), ranks * nano_batches, tokens_per_rank // nano_batches
+    cus = [w.cu_seqlens.numpy().astype(np.int64) for w in windows]
+    lens = np.concatenate([np.diff(c) for c in cus])  # [N] pieces of all windows, stream order
+    starts = np.concatenate([c[:-1] + i * total for i, c in enumerate(cus)])  # [N] in the M windows' tokens
+    cm, sh = _placement_model(cost_model, shape)
+    p = place(lens, S, ts, micro_batches=M, cost_model=cm, shape=sh)
+    work = []
+    for c in cus:  # the same slots in the stream's order: what the planner would see without placement
+        seg = Layout(tuple(c.tolist()), S, ts).segments
+        work.append(np.bincount(seg.rank, cm.task_time(seg.start, seg.end), S))
+    work = np.asarray(work, dtype=np.float64)
+    mean = float(work.mean())
+    before = float(work.max()) / mean if mean > 0 else 1.0
+    if p.imbalance >= before:  # placement would not lower the reported max / mean: keep the stream order
+        return PlacedStep(list(windows), before, before, False)
+    tokens, labels, positions = (torch.cat([getattr(w, f) for w in windows]) for f in ("tokens", "labels", "positions"))
+    out = []
+    for m, (order, lay) in enumerate(zip(p.order, p.layouts)):
+        ln = lens[order]
+        cu = np.concatenate([[0], np.cumsum(ln)])
+        # Token j of the placed window is token (start of its piece) + (j - placed start of the piece).
+        g = torch.from_numpy(np.repeat(starts[order] - cu[:-1], ln) + np.arange(total, dtype=np.int64))
+        cu_t = torch.tensor(lay.cu_seqlens, dtype=torch.int64)
+        out.append(GroupWindow(tokens[g], labels[g], positions[g], cu_t, windows[m].next_state))
+    return PlacedStep(out, before, p.imbalance, p.cross_micro_batch)
+
+
+def _placement_model(cost_model: "CostModel | str | None", shape: "ModelShape | str | None") -> "tuple[CostModel, ModelShape]":
+    """(cost model rescaled to the shape, shape) as ``distca.place`` and ``distca.plan`` resolve them."""
+    from distca.cost import MODEL_SHAPES, CostModel, ModelShape, load_cost_model
+
+    if shape is None:
+        shape = "llama3-8b"
+    if isinstance(shape, str):
+        if shape not in MODEL_SHAPES:
+            raise ValueError(f"shape must be a ModelShape or one of {sorted(MODEL_SHAPES)}, got {shape!r}")
+        shape = MODEL_SHAPES[shape]
+    if not isinstance(shape, ModelShape):
+        raise TypeError(f"shape must be a ModelShape or a stored name, got {type(shape).__name__}")
+    cm = load_cost_model(cost_model or "cpu") if cost_model is None or isinstance(cost_model, str) else cost_model
+    if not isinstance(cm, CostModel):
+        raise TypeError(f"cost_model must be a CostModel, a stored name or a path, got {type(cm).__name__}")
+    return cm.for_shape(shape), shape
+
+
 # ---- torchtitan dataset / dataloader ---------------------------------------------------------
 
 
@@ -481,7 +621,10 @@ class CAPackedDataset(IterableDataset, Stateful):
     """Stateful iterable of one rank's ``(input_dict, labels)``, one item per training step.
 
     Each item carries the next step's layout too (``next_cu_seqlens``, ...: :data:`LAYOUT_KEYS`),
-    read one window ahead without moving the checkpointed state.
+    read one window ahead without moving the checkpointed state. With ``placement = "balance"``
+    each step's windows are placed (:func:`place_windows`) before they are sliced, so the layouts,
+    ``next_`` ones included, are the placed ones; the state is still the stream position (placement
+    is a pure function of the step's documents), so checkpoints resume with or without it.
 
     Infinite. The checkpointed state is the group's ``StreamState`` plus the identity of the
     stream; loading a state from a different dataset/seed/group/shape raises (no resharding).
@@ -498,6 +641,9 @@ class CAPackedDataset(IterableDataset, Stateful):
         seed: int = 0,
         nano_batches: int = 1,
         microbatches: int = 1,
+        placement: str = "none",
+        cost_model: "CostModel | str | None" = None,
+        shape: "ModelShape | str | None" = None,
     ):
         for arg, v in (
             ("ca_degree", ca_degree), ("seq_len", seq_len), ("nano_batches", nano_batches), ("microbatches", microbatches)
@@ -512,6 +658,11 @@ class CAPackedDataset(IterableDataset, Stateful):
         self.group, self.ca_rank, self.ca_degree, self.seq_len, self.seed = group, ca_rank, ca_degree, seq_len, seed
         self.nano_batches = nano_batches
         self.microbatches = microbatches
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {list(PLACEMENTS)}, got {placement!r}")
+        self.placement = placement
+        # Resolved once (a stored model is read from disk); unused with placement "none".
+        self.cost_model, self.shape = _placement_model(cost_model, shape) if placement != "none" else (None, None)
         self._state = StreamState()
         self._step = 0
         self._ahead: tuple[StreamState, tuple] | None = None
@@ -530,35 +681,42 @@ class CAPackedDataset(IterableDataset, Stateful):
         }
 
     def _item(self, state: StreamState) -> tuple[dict[str, torch.Tensor], torch.Tensor, StreamState]:
-        if self.microbatches > 1:
-            return self._microbatch_item(state)
-        w = group_window(self.stream, state, self.ca_degree, self.seq_len)
-        if self.nano_batches == 1:
-            return (*rank_batch(w, self.ca_rank, self.seq_len), w.next_state)
-        return (*nano_rank_batch(w, self.ca_rank, self.seq_len), w.next_state)
+        """This rank's item of the step that starts at ``state``, and the state after it.
 
-    def _microbatch_item(self, state: StreamState) -> tuple[dict[str, torch.Tensor], torch.Tensor, StreamState]:
-        """``microbatches`` consecutive windows as one item: rows [M, T] (row i is micro-batch i,
+        The step's ``microbatches`` windows are read, placed (``placement = "balance"``:
+        :func:`place_windows`, which also adds :data:`PLACEMENT_KEY`), then sliced for this rank."""
+        windows = []
+        for _ in range(self.microbatches):
+            w = group_window(self.stream, state, self.ca_degree, self.seq_len)
+            windows.append(w)
+            state = w.next_state
+        extra = {}
+        if self.placement == "balance":
+            placed = place_windows(
+                windows, self.ca_degree, self.seq_len, nano_batches=self.nano_batches,
+                cost_model=self.cost_model, shape=self.shape,
+            )  # fmt: skip
+            windows = placed.windows
+            extra[PLACEMENT_KEY] = torch.tensor([placed.imbalance_before, placed.imbalance_after], dtype=torch.float64)
+        one = rank_batch if self.nano_batches == 1 else nano_rank_batch
+        rows = [one(w, self.ca_rank, self.seq_len) for w in windows]
+        item, labels = rows[0] if self.microbatches == 1 else self._microbatch_item(rows)
+        return {**item, **extra}, labels, state
+
+    def _microbatch_item(self, rows: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """``microbatches`` rank rows (one per window) as one item: rows [M, T] (row i is micro-batch i,
         exactly the i-th item a one-micro-batch loader would give). Layout ``i * n + j`` is nano-batch
         ``j`` of micro-batch ``i`` (``n`` nano-batches): ``cu_seqlens_<i*n+j>``, and ``context_<i*n+1>``
         for the documents nano-batch 1 continues."""
-        rows, labels = [], []
-        one = rank_batch if self.nano_batches == 1 else nano_rank_batch
-        for _ in range(self.microbatches):
-            w = group_window(self.stream, state, self.ca_degree, self.seq_len)
-            d, lab = one(w, self.ca_rank, self.seq_len)
-            rows.append(d)
-            labels.append(lab)
-            state = w.next_state
-        item = {k: torch.cat([r[k] for r in rows]) for k in ("input", "positions")}
+        item = {k: torch.cat([r[k] for r, _ in rows]) for k in ("input", "positions")}
         n = self.nano_batches
-        for i, r in enumerate(rows):
+        for i, (r, _) in enumerate(rows):
             for j in range(n):
                 idx = i * n + j
                 item["cu_seqlens" if idx == 0 else f"cu_seqlens_{idx}"] = r["cu_seqlens" if j == 0 else f"cu_seqlens_{j}"]
                 if j:
                     item[f"context_{idx}"] = r[f"context_{j}"]
-        return item, torch.cat(labels), state
+        return item, torch.cat([lab for _, lab in rows])
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         while True:
@@ -642,6 +800,9 @@ def build_ca_dataloader(
     nano_batches: int = 1,
     microbatches: int = 1,
     section: str = "training",
+    placement: str = "none",
+    cost_model: "CostModel | str | None" = None,
+    shape: "ModelShape | str | None" = None,
 ):
     """torchtitan ``ParallelAwareDataloader`` over a ``CAPackedDataset`` for this rank.
 
@@ -666,6 +827,12 @@ def build_ca_dataloader(
             their layouts ``cu_seqlens``, ``cu_seqlens_1`` .. ``cu_seqlens_<M-1>`` (with two
             nano-batches, ``2M`` layouts: micro-batch ``i``'s are ``2i`` and ``2i + 1``).
         section: ``"training"`` or ``"validation"``: the job-config section read.
+        placement: ``"none"`` (the stream's packing order) or ``"balance"``: each step's windows
+            (all M micro-batches together) go through :func:`place_windows` before they are
+            sliced, identically on every rank of the group; items then carry :data:`PLACEMENT_KEY`.
+            Only for core attention: it moves documents across ranks.
+        cost_model, shape: the planner's time model for ``"balance"`` (``CAPlanner.cost_model``
+            and ``.shape``; default ``"cpu"`` and ``"llama3-8b"``).
     """
     from dataclasses import asdict
 
@@ -717,11 +884,11 @@ def build_ca_dataloader(
     )
     ds = CAPackedDataset(
         stream, group=group, ca_rank=ca_rank, ca_degree=ca_degree, seq_len=seq_len, seed=seed,
-        nano_batches=nano_batches, microbatches=microbatches,
+        nano_batches=nano_batches, microbatches=microbatches, placement=placement, cost_model=cost_model, shape=shape,
     )  # fmt: skip
     logger.info(
-        "CA loader: dataset=%s group=%d/%d ca_rank=%d/%d seq_len=%d nano_batches=%d microbatches=%d seed=%d",
-        name, group, num_groups, ca_rank, ca_degree, seq_len, nano_batches, microbatches, seed,
+        "CA loader: dataset=%s group=%d/%d ca_rank=%d/%d seq_len=%d nano_batches=%d microbatches=%d seed=%d placement=%s",
+        name, group, num_groups, ca_rank, ca_degree, seq_len, nano_batches, microbatches, seed, placement,
     )
     # batch_size=None: items are already [1, T]; cu_seqlens differs in length per step.
     loader_kwargs["batch_size"] = None

@@ -73,10 +73,27 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **
     n_nano = nano_batches(cfg) if cfg is not None else 1
     # Pipeline parallelism: each item is local_batch_size micro-batches, one row each (1 without PP).
     micro = job_config.training.local_batch_size
+    # Placement moves documents across ranks: only with core attention (plain attention sees the row).
+    placed = cfg is not None and cfg.enable and cfg.placement != "none"
+    cost_model, shape = _planner_model(job_config) if placed else (None, None)
     return data.build_ca_dataloader(
         job_config, tokenizer, dp_rank, dp_world_size, dp_rank % degree, degree, job_config.training.seq_len,
-        seed=seed, nano_batches=n_nano, microbatches=micro,
+        seed=seed, nano_batches=n_nano, microbatches=micro, placement=cfg.placement if placed else "none",
+        cost_model=cost_model, shape=shape,
     )  # fmt: skip
+
+
+def _planner_model(job_config) -> tuple[str, distca.ModelShape]:
+    """The cost model name and attention shape the converter gives the planner
+    (:class:`torchtitan_ext.converter.CoreAttentionConverter`), for the loader's placement."""
+    name = job_config.core_attention.cost_model
+    if name == "auto":
+        name = "h200" if torch.cuda.is_available() else "cpu"
+    args = ts.get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
+    tp = job_config.parallelism.tensor_parallel_degree
+    n_kv = args.n_kv_heads or args.n_heads
+    dtype_bytes = 2 if job_config.training.mixed_precision_param == "bfloat16" else 4
+    return name, distca.ModelShape(args.n_heads // tp, n_kv // tp, args.dim // args.n_heads, dtype_bytes)
 
 
 def parallelize(model, parallel_dims, job_config):
@@ -162,6 +179,8 @@ class CoreAttentionTrainer(Trainer):
         """(layout key, planning future) of the next item, planned before it is drawn."""
         self._step_plans: list[StepPlan] = []
         """This step's micro-batch plans, dropped (freeing the plans) when the step is logged."""
+        self._step_placed: list[tuple[float, float]] = []
+        """This step's items' modelled imbalance (before, after) placement (``data.pop_placement``)."""
         self._in_flight: int | None = None
         """Under a tick schedule: the most micro-batches this stage held at once in the last step."""
         if self.ca is not None and self.ca.stages > 1:
@@ -180,6 +199,9 @@ class CoreAttentionTrainer(Trainer):
             if self.ca is None:
                 yield input_dict, labels
                 continue
+            placed = data.pop_placement(input_dict)
+            if placed is not None:
+                self._step_placed.append(placed)
             now, ahead = pop_layout(input_dict), pop_layout(input_dict, "next_")
             if now is not None:
                 guess, self._ahead = self._ahead, None
@@ -199,6 +221,7 @@ class CoreAttentionTrainer(Trainer):
         fut = input_dict.pop("ca_planned", None)
         for prefix in ("", "next_"):
             pop_layout(input_dict, prefix)
+        data.pop_placement(input_dict)
         if self.ca is None:
             # Upstream behaviour: plain causal attention over the row, positions 0..T-1.
             input_dict.pop("positions", None)
@@ -283,6 +306,10 @@ class CoreAttentionTrainer(Trainer):
             "ca/exposed_plan_ms": 1e3 * sum(sp.exposed_plan_seconds for sp in steps),
             "ca/docs": float(np.mean([s.num_docs for s in stats])),
         }
+        placed, self._step_placed = self._step_placed, []
+        if placed:  # modelled colocated max/mean over the step's slots, the loader's order -> placed
+            row["ca/placement_imbalance_before"] = float(np.mean([b for b, _ in placed]))
+            row["ca/placement_imbalance_after"] = float(np.mean([a for _, a in placed]))
         idle = [s for s in stats if s.idle_ranks]
         if idle:  # pipeline ticks with an idle stage: the share of their attention it served
             row["ca/idle_served_share"] = float(
@@ -327,6 +354,10 @@ class CoreAttentionTrainer(Trainer):
                 f"bytes/layer fwd {row['ca/fwd_MiB_per_layer']:.2f} MiB bwd {row['ca/bwd_MiB_per_layer']:.2f} MiB "
                 f"(x{n_layers} layers)  plan {row['ca/plan_ms']:.1f} ms (exposed {row['ca/exposed_plan_ms']:.1f} ms)  "
                 f"{attn}  docs {row['ca/docs']:.0f}"
+                + (
+                    f"  placement {row['ca/placement_imbalance_before']:.3f} -> {row['ca/placement_imbalance_after']:.3f}"
+                    if placed else ""
+                )  # fmt: skip
                 + (f"  stage {self.ca.stage} held {in_flight} micro-batches at once" if in_flight is not None else "")
             )
 
