@@ -239,32 +239,29 @@ def load_cost_model(name_or_path: str = "cpu") -> CostModel:
     if "+" in name_or_path:
         kernel, net = name_or_path.split("+", 1)
         return load_cost_model(kernel).with_network(load_network(net))
-    p = Path(name_or_path)
-    if p.suffix == ".json" and p.exists():
-        return CostModel.from_json(p.read_text())
-    ref = resources.files("distca") / "data" / f"cost_{name_or_path}.json"
-    if not ref.is_file():
-        names = sorted(
-            f.name[5:-5] for f in (resources.files("distca") / "data").iterdir() if f.name.startswith("cost_")
-        )
-        raise ValueError(f"unknown cost model {name_or_path!r}; stored models: {names}, or pass a .json path")
-    return CostModel.from_json(ref.read_text())
+    return CostModel.from_json(_stored_json("cost", name_or_path, "cost model", "stored models"))
 
 
 def load_network(name_or_path: str) -> dict:
     """A stored network model (``distca/data/network_<name>.json``) or a JSON file: a dict of
     ``net_*`` fields of :class:`CostModel` plus ``ref_hidden``, the hidden size (heads x head dim)
     its ``net_overlap_token_s`` is for."""
+    return json.loads(_stored_json("network", name_or_path, "network model", "stored"))
+
+
+def _stored_json(prefix: str, name_or_path: str, what: str, listed: str) -> str:
+    """The text of ``name_or_path`` if it is a ``.json`` file, else of the stored
+    ``distca/data/<prefix>_<name>.json``; an unknown name raises, listing the stored ones."""
     p = Path(name_or_path)
     if p.suffix == ".json" and p.exists():
-        return json.loads(p.read_text())
-    ref = resources.files("distca") / "data" / f"network_{name_or_path}.json"
+        return p.read_text()
+    data = resources.files("distca") / "data"
+    ref = data / f"{prefix}_{name_or_path}.json"
     if not ref.is_file():
-        names = sorted(
-            f.name[8:-5] for f in (resources.files("distca") / "data").iterdir() if f.name.startswith("network_")
-        )
-        raise ValueError(f"unknown network model {name_or_path!r}; stored: {names}, or pass a .json path")
-    return json.loads(ref.read_text())
+        head = len(prefix) + 1
+        names = sorted(f.name[head:-5] for f in data.iterdir() if f.name.startswith(f"{prefix}_"))
+        raise ValueError(f"unknown {what} {name_or_path!r}; {listed}: {names}, or pass a .json path")
+    return ref.read_text()
 
 
 # ---- bytes model ---------------------------------------------------------------------
