@@ -15,32 +15,6 @@ from dist_utils import run_cases
 HQ, HKV, D, T, LAYERS = 4, 2, 8, 32, 2
 
 
-def ticks_1f1b(M: int, P: int) -> list[tuple[list, list]]:
-    """(forward micro-batch, backward micro-batch) per stage in each tick (None: idle)."""
-    rng = range(M)
-    return [
-        ([k - s if k - s in rng else None for s in range(P)], [k - 2 * P + 2 + s if k - 2 * P + 2 + s in rng else None for s in range(P)])
-        for k in range(M + 2 * P - 2)
-    ]  # fmt: skip
-
-
-def _stack(cus: list, dp: int):
-    """The group layout of one sub-tick: stage s holds ``cus[s]`` (a micro-batch's layout over its dp
-    ranks) or, for None, one padding document per rank."""
-    from distca import Layout
-
-    bounds, padding = [0], []
-    for s, cu in enumerate(cus):
-        base = s * dp * T
-        if cu is None:
-            for j in range(dp):
-                padding.append(len(bounds) - 1)
-                bounds.append(base + (j + 1) * T)
-        else:
-            bounds.extend(base + x for x in cu[1:])
-    return Layout(tuple(bounds), len(cus) * dp, T, padding=tuple(padding))
-
-
 def _microbatches(M: int, dp: int, nano: int, seed: int):
     """Per micro-batch and nano-batch: a layout over dp ranks (documents crossing ranks) and
     q, k, v, dout of the dp ranks' rows."""
@@ -77,12 +51,16 @@ def _tick_worker(rank, world, P, pingpong, M=3):
     s, j = divmod(rank, dp)
     nano = 2 if pingpong else 1
     mbs = _microbatches(M, dp, nano, seed=7)
+    from torchtitan_ext.pipeline import tick_assignments
+    from torchtitan_ext.planning import stage_layout
+
     spec = distca.CallSpec(HQ, HKV, D, torch.float32)
-    order = ticks_1f1b(M, P)
+    order = list(zip(*tick_assignments("Tick1F1B", M, P)))  # (forward, backward) micro-batch per stage, per tick
 
     def plans_of(assign):
         return [
-            distca.prepare(_stack([mbs[m][n][0] if m is not None else None for m in assign], dp), spec=spec, min_shard=4)
+            # The trainer's sub-tick layout: stage s holds micro-batch assign[s] (None: padding rows).
+            distca.prepare(stage_layout([mb[n][0] for mb in mbs], [()] * M, assign, dp, T), spec=spec, min_shard=4)
             for n in range(nano)
         ]  # fmt: skip
 

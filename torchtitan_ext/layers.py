@@ -199,7 +199,7 @@ def _nano_block_forward(block, x, freqs_cis, attention_masks=None, positions=Non
 
     # Both nano-batches' phases form one chain (after=f0), so the backward runs them in exactly the
     # reverse order on every rank, the order an idle pipeline stage replays (distca.serve_idle).
-    if interleaves(step):
+    if interleaves(step.plans, step.pingpong, bool(step.backward_plans)):
         f0, kv0 = start(0)
         f1, _ = start(1, kv0, after=f0)
         pingpong.serve(f0)
@@ -216,14 +216,14 @@ def _nano_block_forward(block, x, freqs_cis, attention_masks=None, positions=Non
     return torch.cat([y0, y1], dim=1)
 
 
-def interleaves(step: StepPlan) -> bool:
-    """Whether a block runs ``step``'s two nano-batches interleaved (ping-pong), else one after the other.
+def interleaves(plans: "tuple[distca.DispatchPlan, ...]", pingpong: bool, backward_plans: bool) -> bool:
+    """Whether a block runs two nano-batches on ``plans`` interleaved (ping-pong), else one after the other.
 
     Interleave only when there is communication to hide: with every row home (the planner kept
     both nano-batches local) the sequential order is the same work with a smaller working set.
     ``local_only`` is a property of the whole group, so every rank decides alike; but not with
     separate backward plans (Tick1F1B): a backward sub-tick pairs micro-batches whose forwards ran
     on different plans, and their backward orders must match, so ``pingpong`` alone decides."""
-    if step.backward_plans:
-        return step.pingpong
-    return step.pingpong and not all(p.meta is not None and p.meta.local_only for p in step.plans)
+    if backward_plans:
+        return pingpong
+    return pingpong and not all(p.meta is not None and p.meta.local_only for p in plans)

@@ -250,15 +250,14 @@ def idle_server(step: Any, planner: Any, layers: int, device: torch.device) -> C
     sub-ticks reuse the forward ones'), in the order the active stages' blocks run their calls."""
     import distca
     from torchtitan_ext.layers import interleaves
-    from torchtitan_ext.planning import StepPlan
 
     backend = None if planner.cfg.backend == "auto" else planner.cfg.backend
     gpipe = planner.schedule == "TickGPipe"
 
     def idle(kind: str, k: int) -> None:
         plans = step.group(k if kind == "F" or gpipe else step.forward_groups + k)
-        # As the active stages decide (layers.interleaves): by the tick's plans under TickGPipe.
-        interleave = interleaves(StepPlan(plans, (), step.mode, step.pingpong)) if gpipe else step.pingpong
+        # As the active stages decide: by the tick's plans under TickGPipe, which has no backward plans.
+        interleave = interleaves(plans, step.pingpong, backward_plans=not gpipe)
         for _ in range(layers):
             distca.serve_idle(plans, device=device, backward=kind == "B", interleave=interleave, backend=backend)
 
