@@ -25,10 +25,18 @@ from distca.layout import Layout
 
 __all__ = ["Placement", "place"]
 
-FILLER = 1e-2
+FILLER = 1e-3
 """Documents whose whole-document work is below this fraction of a slot's mean work are
 filler: they are not placed one by one but poured, in their given order, into the room the
 placed documents leave (their work per token is what every slot is charged for that room)."""
+
+SPLIT = 0.3
+"""Documents that fit in a slot and hold more than this fraction of a slot's mean work are
+candidates for a cut in two across a slot boundary (see ``_split_heavy``)."""
+
+SPLIT_SLACK = 0.02
+"""A candidate is cut when even the lightest documents, filling the rest of its slot, would put
+the slot more than this fraction above the mean."""
 
 MIN_ROUND = 4
 """A placing round takes at least slots / MIN_ROUND documents (bounds the rounds, and the time)."""
@@ -84,28 +92,45 @@ def place(
             ``"llama3-8b"``). Work of a slot = sum over its document pieces of
             ``CostModel.task_time`` (what the colocated plan charges it).
 
-    Algorithm (see ``docs/planner.md``): documents longer than a slot are laid over consecutive
-    slots first, each starting at a slot boundary while enough slots remain (else right after
-    the previous one). Then the other documents, heaviest first, go in rounds of one per slot:
-    the round's heaviest document to the slot with the least projected work among those with
-    room for it (projected: placed work plus the filler work its remaining room will get). A
-    document that fits nowhere whole joins the filler. Last, each slot's room is filled with
-    filler documents in their given order; the one that does not fit is cut at the rank
-    boundary and continues on the next slot. Bound: each round raises the spread of projected
-    work between the slots that take documents by at most the round's heaviest document, so
-    those slots end within ``w_max + w_fill`` of each other (``w_max``: the heaviest placed
-    document that is not longer than a slot; ``w_fill``: the heaviest filler document), unless
-    a document had to go to a slot other than its round's choice for lack of room.
+    Algorithm (see ``docs/planner.md``):
+
+    1. Documents longer than a slot are laid over consecutive slots, each starting at a slot
+       boundary while enough slots remain (else right after the previous one).
+    2. Documents that fit in a slot but whose slot could not be balanced with them whole (their
+       work plus the lightest possible filling of the rest of the slot is above the mean by more
+       than ``SPLIT_SLACK``) are cut across the boundary of two empty slots, the head ending one
+       and the tail starting the next, the head as short as keeps the tail's slot fillable
+       (fewer KV bytes to move), at most half the document's work.
+    3. When the pieces of step 1 and 2 leave some slots above the mean (work that CAD must move),
+       as many empty slots as that excess fills become receivers: they are filled last, so
+       that CAD moves the excess in a few large chunks rather than many small ones, each
+       pulling the document's KV prefix.
+    4. The other documents, heaviest first, go in rounds of one per slot (LPT): the round's
+       heaviest document to the slot whose projected work (placed work + its room x the work
+       per token of what is left, minus its target: the mean, or 0 for receivers) is least
+       among those with room for it. A document with no room in its round's slot is retried in
+       the next round; one that fits in no slot whole is laid over the end of one slot and the
+       start of the next. Documents lighter than ``FILLER`` x the mean are filler.
+    5. Each slot's room is filled with filler documents in their given order; the one that
+       does not fit is cut at the rank boundary and continues on the next slot.
+
+    Bound: each LPT round raises the spread of projected work between the slots that take
+    documents by at most the round's heaviest document, so those slots end within
+    ``w_max + w_fill`` of each other (``w_max``: the heaviest document placed whole, at most
+    about ``(1 + SPLIT_SLACK)`` x the mean minus its slot's lightest filling; ``w_fill``: the
+    heaviest filler), unless a document had to go elsewhere for lack of room. Documents that
+    alone hold more than a slot's share keep their slots above the mean: no placement lowers
+    them (CAD does).
 
     Example:
         >>> from distca import place
-        >>> p = place([3000, 200, 300, 2500, 100, 100, 1800], ranks=2, tokens_per_rank=4000)
+        >>> p = place([3000, 2500, 200, 300, 100, 100, 1800], ranks=2, tokens_per_rank=4000)
         >>> p.order[0].tolist()  # the loader's documents in their new order
-        [0, 2, 6, 1, 3, 4, 5]
+        [0, 2, 3, 4, 5, 6, 1]
         >>> p.layouts[0].cu_seqlens  # document 6 (1800 tokens) is cut at the rank boundary
-        (0, 3000, 3300, 5100, 5300, 7800, 7900, 8000)
-        >>> round(p.imbalance, 2)
-        1.02
+        (0, 3000, 3200, 3500, 3600, 3700, 5500, 8000)
+        >>> round(p.imbalance, 3)  # the loader's order: 1.062
+        1.008
     """
     from distca.planner import _resolve_cost, _resolve_shape
 
@@ -174,17 +199,23 @@ def _place(lens, work, mb_of, R, T, M, cm, cross: bool) -> list[np.ndarray] | No
     and the filler cannot be split across micro-batches to their exact token counts."""
     S = M * R
     cap = np.full(S, T, dtype=np.int64)  # room left per slot (slot s = m * R + r)
-    base = np.zeros(S)  # work of the pieces of long documents per slot
+    base = np.zeros(S)  # work of the pieces of long and split documents per slot
     long_at: dict[int, list[int]] = {}  # slot -> long documents that start in it, in order
     is_long = lens > T
     for m in range(M):
         _lay_long(np.nonzero(is_long & (mb_of == m))[0], lens, R, T, m * R, cap, base, long_at, cm)
     short = np.nonzero(~is_long)[0]
     mean = float(work.sum()) / S
+    split_at = _split_heavy(short, lens, work, mean, R, T, M, cap, base, cm)
+    if split_at:
+        short = short[~np.isin(short, [d for d, _ in split_at.values()])]
     fill = short[work[short] < FILLER * mean]
     items = short[work[short] >= FILLER * mean]
     f_tok = float(lens[fill].sum())
-    assigned, spill = _lpt(items, lens, work, cap, base, float(work[fill].sum()), f_tok, max(1, S // MIN_ROUND))
+    target = _targets(cap, base, mean, T)
+    assigned, spill = _lpt(
+        items, lens, work, cap, base, target, float(work[fill].sum()), f_tok, max(1, S // MIN_ROUND), R, split_at, cm
+    )
     # Filler, then the documents that fit nowhere whole, poured into the room left.
     pour = np.concatenate([spill, fill])
     if cross:
@@ -195,7 +226,81 @@ def _place(lens, work, mb_of, R, T, M, cm, cross: bool) -> list[np.ndarray] | No
     else:
         parts = [pour]
     placed = assigned >= 0
-    return [_emit(lens, parts[m], R, T, m * R, long_at, items[placed], assigned[placed]) for m in range(M)]
+    return [
+        _emit(lens, parts[m], R, T, m * R, long_at, split_at, items[placed], assigned[placed]) for m in range(M)
+    ]
+
+
+def _split_heavy(short, lens, work, mean, R, T, M, cap, base, cm) -> dict[int, tuple[int, int]]:
+    """Cut the heaviest documents that fit in a slot (work above ``SPLIT`` x the mean slot work)
+    across the boundary of two slots that hold nothing yet: the head ends slot ``s``, the tail
+    starts slot ``s + 1``, cut where each piece holds half the document's work. Whole, such a
+    document leaves its slot's other ``T - l`` tokens too little work to take (even the lightest
+    documents would overfill it); halved, it does not. Pairs never share a slot, so no slot
+    holds more than one such piece. Updates ``cap`` and ``base``; returns {s: (doc, head)}."""
+    if R < 2 or not short.size:
+        return {}
+    # The lightest a slot holding document d whole can end up: d plus its other T - l_d tokens
+    # filled with the lightest documents there are (their work per token, rho_lo, taken over
+    # as many tokens as all the candidates' slots would need).
+    cand = short[work[short] > SPLIT * mean]
+    if not cand.size:
+        return {}
+    rest = short[work[short] <= SPLIT * mean]
+    need = float((T - lens[cand]).sum())
+    by_len = rest[np.argsort(lens[rest], kind="stable")]
+    ct = np.cumsum(lens[by_len])
+    k = min(int(np.searchsorted(ct, need)) + 1, by_len.size)
+    rho_lo = float(work[by_len[:k]].sum()) / max(float(ct[k - 1]), 1.0) if k else float(work[cand].sum() / lens[cand].sum())
+    heavy = cand[work[cand] + rho_lo * (T - lens[cand]) > (1.0 + SPLIT_SLACK) * mean]
+    rho_rest = float(work[rest].sum()) / max(float(lens[rest].sum()), 1.0)
+    if not heavy.size:
+        return {}
+    heavy = heavy[np.argsort(-work[heavy], kind="stable")]
+    free = (cap == T).reshape(M, R)
+    pairs = []
+    for m in range(M):
+        r = 0
+        while r + 1 < R:
+            if free[m, r] and free[m, r + 1]:
+                pairs.append(m * R + r)
+                r += 2
+            else:
+                r += 1
+    n = min(len(pairs), heavy.size)
+    if n == 0:
+        return {}
+    if n < len(pairs):  # spread them over the step
+        pairs = [pairs[i] for i in np.linspace(0, len(pairs) - 1, n).round().astype(np.int64).tolist()]
+    docs = heavy[:n]
+    L = lens[docs]
+    # The head: as short as lets the tail's slot end within the slack of the mean when the rest
+    # of it takes the lightest documents (a shorter head moves less KV to the tail's rank), but
+    # never past half the document's work. Both by bisection (monotone in the head's length).
+    zero = np.zeros_like(L)
+    lo, hi = np.ones_like(L), L.copy()
+    half = work[docs] / 2
+    while np.any(hi - lo > 1):
+        mid = (lo + hi) // 2
+        low = cm.task_time(zero, mid) < half
+        lo, hi = np.where(low, mid, lo), np.where(low, hi, mid)
+    a_half = lo
+    lo, hi = np.zeros_like(L), a_half.copy()
+    bound = mean
+    while np.any(hi - lo > 1):
+        mid = (lo + hi) // 2
+        over = cm.task_time(mid, L) + rho_rest * (T - (L - mid)) > bound
+        lo, hi = np.where(over, mid, lo), np.where(over, hi, mid)
+    head = np.clip(hi, 1, np.maximum(L - 1, 1))
+    keep = L >= 2
+    docs, L, head = docs[keep], L[keep], head[keep]
+    slots = np.asarray(pairs, dtype=np.int64)[keep]
+    np.subtract.at(cap, slots, head)
+    np.subtract.at(cap, slots + 1, L - head)
+    np.add.at(base, slots, cm.task_time(np.zeros_like(head), head))
+    np.add.at(base, slots + 1, cm.task_time(head, L))
+    out = {int(s): (int(d), int(a)) for s, d, a in zip(slots.tolist(), docs.tolist(), head.tolist())}
+    return out
 
 
 def _lay_long(idx, lens, R, T, s0, cap, base, long_at, cm) -> None:
@@ -226,13 +331,31 @@ def _lay_long(idx, lens, R, T, s0, cap, base, long_at, cm) -> None:
     assert pos <= end_mb  # the documents of one micro-batch fit in it
 
 
-def _lpt(items, lens, work, cap, base, fill_work, fill_tok, min_round):
+def _targets(cap, base, mean, T) -> np.ndarray:
+    """Work each slot is filled towards: the mean, except for receivers, which get 0 (they take
+    documents only once every other slot has reached the mean). When some slots already hold more
+    than the mean (pieces of documents heavier than a slot's share), CAD must move that excess to
+    others; a few receivers with much room take it in few large chunks, where many receivers
+    with a little room each would each pull the document's KV prefix. Receivers are the slots
+    that hold nothing yet, spread over the step, as many as the excess fills."""
+    target = np.full(cap.size, mean)
+    excess = float(np.maximum(base - mean, 0.0).sum())
+    free = np.nonzero(cap == cap.max())[0] if cap.size else cap
+    k = min(int(excess // mean), free.size) if mean > 0 else 0
+    if k > 0:
+        target[free[np.linspace(0, free.size - 1, k).round().astype(np.int64)]] = 0.0
+    return target
+
+
+def _lpt(items, lens, work, cap, base, target, fill_work, fill_tok, min_round, R, split_at, cm):
     """LPT in rounds: the heaviest documents left go, heaviest first, to the slots of least
     projected work with room for them, one each, where projected = placed work + room x the work
     per token of everything not yet placed (filler included). A round takes only the slots within
     its heaviest document of the least projected one (as LPT would: a heavier slot gets nothing
     until the lighter ones have caught up), but at least ``min_round`` of them (fewer rounds).
-    Updates ``cap``; returns (slot per item or -1, items that fit nowhere)."""
+    A document that fits in no slot whole is laid over the end of one slot and the start of the
+    next (added to ``split_at``; see :func:`_span`). Updates ``cap``; returns (slot per item or
+    -1, items that fit nowhere, not even over two slots)."""
     order = items[np.argsort(-work[items], kind="stable")]
     placed = base.copy()
     slot = np.full(lens.size, -1, dtype=np.int64)
@@ -241,35 +364,70 @@ def _lpt(items, lens, work, cap, base, fill_work, fill_tok, min_round):
     # Work and tokens still to place from order[i] on, filler included (suffix sums).
     rest_w = np.append(np.cumsum(work[order][::-1])[::-1], 0.0) + fill_work
     rest_t = np.append(np.cumsum(lens[order][::-1])[::-1], 0) + fill_tok
-    while i < n:
-        rho = rest_w[i] / rest_t[i]
-        batch = order[i : i + cap.size]
-        key = np.where(cap >= int(lens[batch].min()), placed + rho * cap, np.inf)
+    pend = order[:0]  # documents whose round's slot had no room for them: first in the next round
+    while i < n or pend.size:
+        rho = (rest_w[i] + float(work[pend].sum())) / (rest_t[i] + int(lens[pend].sum()))
+        take = min(n - i, cap.size - pend.size)
+        n_pend = pend.size
+        full = np.concatenate([pend, order[i : i + take]])
+        key = np.where(cap >= int(lens[full].min()), placed + rho * cap - target, np.inf)
         lo = float(key.min())
         if lo == np.inf:
-            spill.extend(order[i:].tolist())
+            for d in np.concatenate([full, order[i + take :]]).tolist():
+                if not _span(d, lens, work, cap, placed, target, R, split_at, cm):
+                    spill.append(d)
             break
-        k = min(batch.size, max(int((key <= lo + work[batch[0]]).sum()), min_round))
+        k = min(full.size, max(int((key <= lo + work[full[0]]).sum()), min_round))
         bins = np.argsort(key, kind="stable")[:k]
         bins = bins[np.isfinite(key[bins])]
-        batch = batch[: bins.size]
+        used = bins.size
+        batch, later = full[:used], full[used:n_pend]  # later: pending ones this round had no slot for
         lb = lens[batch]
         ok = cap[bins] >= lb
         b = bins[ok]
         slot[batch[ok]] = b
         cap[b] -= lb[ok]
         placed[b] += work[batch[ok]]
-        for d in batch[~ok].tolist():  # no room in its round's slot: the least loaded with room
-            fits = cap >= lens[d]
-            if not fits.any():
-                spill.append(d)
-                continue
-            s = int(np.argmin(np.where(fits, placed + rho * cap, np.inf)))
-            slot[d] = s
-            cap[s] -= lens[d]
-            placed[s] += work[d]
-        i += batch.size
+        if ok.any():
+            pend = np.concatenate([batch[~ok], later])  # retried next round, against the new projections
+        else:
+            pend = later
+            for d in batch.tolist():  # no progress by rounds: each to the least loaded with room
+                fits = cap >= lens[d]
+                if not fits.any():
+                    if not _span(d, lens, work, cap, placed, target, R, split_at, cm):
+                        spill.append(d)
+                    continue
+                s = int(np.argmin(np.where(fits, placed + rho * cap - target, np.inf)))
+                slot[d] = s
+                cap[s] -= lens[d]
+                placed[s] += work[d]
+        i += max(0, used - n_pend)  # the round used its pending documents first, then order[i:]
     return slot[items], np.asarray(spill, dtype=np.int64)
+
+
+def _span(d, lens, work, cap, placed, target, R, split_at, cm) -> bool:
+    """Lay document ``d`` over the end of a slot ``s`` and the start of ``s + 1`` (same
+    micro-batch, ``s`` not already ending with a split head), where the two have room for it
+    together and the pair's projected work is least. The head is ``cap[s]`` tokens. Returns
+    False when no pair has room (the document is then poured)."""
+    L = int(lens[d])
+    S = cap.size
+    s = np.arange(S - 1)
+    ok = (cap[:-1] > 0) & (cap[:-1] + cap[1:] >= L) & ((s + 1) % R != 0)
+    if split_at:
+        ok[[k for k in split_at if k < S - 1]] = False
+    if not ok.any():
+        return False
+    key = np.where(ok, placed[:-1] + placed[1:] - target[:-1] - target[1:], np.inf)
+    b = int(np.argmin(key))
+    a = int(cap[b])
+    split_at[b] = (int(d), a)
+    cap[b] = 0
+    cap[b + 1] -= L - a
+    placed[b] += float(cm.task_time(0, a))
+    placed[b + 1] += float(cm.task_time(a, L))
+    return True
 
 
 def _split_exact(pour: np.ndarray, lens: np.ndarray, need: np.ndarray) -> list[np.ndarray] | None:
@@ -290,26 +448,51 @@ def _split_exact(pour: np.ndarray, lens: np.ndarray, need: np.ndarray) -> list[n
     return [pour[group == m] for m in range(need.size)]
 
 
-def _emit(lens, pour, R, T, s0, long_at, items, item_slot) -> np.ndarray:
+def _emit(lens, pour, R, T, s0, long_at, split_at, items, item_slot) -> np.ndarray:
     """One micro-batch's stream order: per slot, the long documents that start there, its placed
     documents (in the order they were placed), then poured documents until the stream reaches the
-    slot's end (the last one poured may run into the next slot: the cut where it must be).
-
-    Vectorised: with ``A[r]`` the long and placed tokens of slots ``<= r`` and ``P[j]`` the poured
-    tokens before poured document ``j``, slot ``r`` pours ``j`` iff ``A[r] + P[j] < (r + 1) T``
-    and no earlier slot did, i.e. ``r`` is the first slot whose running max of
-    ``(r + 1) T - A[r]`` exceeds ``P[j]`` (none: after the last slot).
-    """
+    slot's end (the last one poured may run into the next slot: the cut where it must be). A slot
+    that ends with a split document's head pours the documents whose total comes closest to the
+    room before the head's planned start (never past it), then the split document, which runs
+    into the next slot."""
     mine = (item_slot >= s0) & (item_slot < s0 + R)
     it, it_slot = items[mine], item_slot[mine] - s0
-    lg = [(s - s0, d) for s in range(s0, s0 + R) for d in long_at.get(s, ())]
-    lg_doc = np.asarray([d for _, d in lg], dtype=np.int64)
-    lg_slot = np.asarray([r for r, _ in lg], dtype=np.int64)
-    placed = np.bincount(it_slot, lens[it], R) + np.bincount(lg_slot, lens[lg_doc], R)
-    room = np.arange(1, R + 1, dtype=np.int64) * T - np.cumsum(placed.astype(np.int64))
-    pour_at = np.searchsorted(np.maximum.accumulate(room), np.cumsum(lens[pour]) - lens[pour], side="right")
-    docs = np.concatenate([lg_doc, it, pour])
-    slot = np.concatenate([lg_slot, it_slot, pour_at])
-    kind = np.repeat([0, 1, 2], [lg_doc.size, it.size, pour.size])
-    seq = np.arange(docs.size)  # within a slot and kind: the order given (long, placed, poured)
-    return docs[np.lexsort((seq, kind, slot))]
+    it_sorted = it[np.argsort(it_slot, kind="stable")]
+    by_slot = np.split(it_sorted, np.searchsorted(np.sort(it_slot, kind="stable"), np.arange(1, R)))
+    cum = np.concatenate([[0], np.cumsum(lens[pour])])
+    out: list[np.ndarray] = []
+    pos, j = 0, 0  # stream position; next poured document
+    for r in range(R):
+        s = s0 + r
+        lg = np.asarray(long_at.get(s, ()), dtype=np.int64)
+        here = np.concatenate([lg, by_slot[r]])
+        out.append(here)
+        pos += int(lens[here].sum())
+        end = (r + 1) * T
+        if s in split_at:
+            d, a = split_at[s]
+            want = end - a - pos  # poured tokens that put the cut where it was planned
+            k = int(np.searchsorted(cum, cum[j] + max(want, 0), side="right")) - 1  # most that fit
+            if k + 1 < cum.size and (cum[k + 1] - cum[j]) - want < want - (cum[k] - cum[j]):
+                k += 1  # one more comes closer
+            out.append(pour[j:k])
+            pos += int(cum[k] - cum[j])
+            j = k
+            out.append(np.asarray([d], dtype=np.int64))
+            pos += int(lens[d])
+        elif s + 1 in split_at and pos < end:
+            # The next slot ends with a split head: a poured document running into it would push
+            # the head's start later (a shorter head, a heavier tail), so stop short of the end;
+            # the next slot pours the difference.
+            k = int(np.searchsorted(cum, cum[j] + (end - pos), side="right")) - 1
+            out.append(pour[j:k])
+            pos += int(cum[k] - cum[j])
+            j = k
+        elif pos < end:
+            k = int(np.searchsorted(cum, cum[j] + (end - pos), side="left"))  # pour while the stream is short of the end
+            k = min(k, cum.size - 1)
+            out.append(pour[j:k])
+            pos += int(cum[k] - cum[j])
+            j = k
+    out.append(pour[j:])
+    return np.concatenate(out).astype(np.int64)
