@@ -386,7 +386,7 @@ def detail_table(rows: list[dict]) -> str:
     head = (f"  {'policy':<12} {'pp':>3} | {'step s':>9} {'std':>7} | {'distca x':>8} {'95% interval':<14} | "
             f"{'mem GiB':>7} {'recompute':>12} | {'fwd MB/GPU/layer':>16}")  # fmt: skip
     out = []
-    order = {p: i for i, p in enumerate((*POLICIES, *PP_POLICIES))}
+    order = {p: i for i, p in enumerate(dict.fromkeys((*POLICIES, *PP_POLICIES)))}
     for key in sorted(groups):
         rs = sorted(groups[key], key=lambda r: (r["pingpong"], order.get(r["policy"], 99)))
         model, dist, gpus, ctx, P = key
