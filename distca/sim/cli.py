@@ -37,7 +37,9 @@ from pathlib import Path
 from distca.doclens import DISTRIBUTIONS
 from distca.sim.hardware import ARCHS, HARDWARE, TP, Arch, Hardware, load_arch, load_hardware
 from distca.sim.pipeline import PP_GRID, PP_POLICIES, PP_SCHEDULES, SCHEDULE_NAMES, simulate_pp_config
-from distca.sim.report import detail_table, paper_table, plot, plot_pp, pp_paper_table, pp_summary, pp_table, summary, table
+from distca.sim.report import (
+    detail_table, paper_table, plot, plot_pp, pp_paper_table, pp_summary, pp_table, summary, table,
+)  # fmt: skip
 from distca.sim.sweep import POLICIES, Options, is_paper_row, simulate_config
 from distca.sim.workloads import Workload, load_workload
 
@@ -67,14 +69,17 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, default=TP, help="tensor-parallel degree: GPUs per CA rank (default %(default)s)")
     ap.add_argument(
         "--hardware", default="h200", metavar="NAME_OR_JSON",
-        help=f"a shipped profile {sorted(HARDWARE)} or a JSON file of Hardware fields overriding it (default %(default)s)",
+        help=f"a shipped profile {sorted(HARDWARE)} or a JSON file of Hardware fields overriding it "
+        "(default %(default)s)",
     )  # fmt: skip
     ap.add_argument(
         "--policy", action="append", choices=sorted(set(POLICIES) | set(PP_POLICIES)),
         help="repeatable; default all of the mode's (POLICIES, or PP_POLICIES with --pp)",
     )  # fmt: skip
-    ap.add_argument("--seeds", type=int, default=None, help="batches per point (default 30, the paper's; 2 with --quick)")
-    ap.add_argument("--jobs", type=int, default=None, help="worker processes over configurations (default: the CPU count; 1 with --quick)")
+    ap.add_argument("--seeds", type=int, help="batches per point (default 30, the paper's; 2 with --quick)")
+    ap.add_argument(
+        "--jobs", type=int, help="worker processes over configurations (default: the CPU count; 1 with --quick)"
+    )
     ap.add_argument(
         "--microbatches", type=int,
         help="micro-batches per step, each its own batch (default 1; with --pp 2 x P: 2 x R sequences per step)",
@@ -111,7 +116,8 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ap.add_argument(
         "--hbm-gb", type=float,
-        help="GB per GPU the memory estimate must fit (default: the profile's, 141 for h200; a large value: memory never binds)",
+        help="GB per GPU the memory estimate must fit (default: the profile's, 141 for h200; a large value: memory "
+        "never binds)",
     )  # fmt: skip
     ap.add_argument(
         "--wlb-token-cap", type=float,
@@ -180,7 +186,8 @@ def _resolve(ap: argparse.ArgumentParser, args, pp: bool) -> tuple[list[Arch], l
     if args.upsample < 1 or args.upsample_threshold < 1:
         ap.error(f"--upsample and --upsample-threshold must be >= 1, got {args.upsample} and {args.upsample_threshold}")
     if args.seeds < 1 or args.jobs < 1 or (args.microbatches is not None and args.microbatches < 1):
-        ap.error(f"--seeds, --jobs and --microbatches must be >= 1, got {args.seeds}, {args.jobs} and {args.microbatches}")
+        ap.error(f"--seeds, --jobs and --microbatches must be >= 1, got {args.seeds}, {args.jobs} and "
+                 f"{args.microbatches}")  # fmt: skip
     if args.gpus and (bad := [g for g in args.gpus if g < args.tp or g % args.tp]):
         ap.error(f"--gpus must be multiples of --tp {args.tp} (one CA rank per TP group), got {bad}")
     if args.context and (bad := [c for c in args.context if c < 1]):
@@ -285,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         for a in archs:
             print(a.describe())
         print(
-            f"{hw.name.upper()}: {hw.peak_flops / 1e12:.0f} TFLOP/s x MFU {hw.linear_mfu}, IB {hw.ib_bytes_per_s / 1e9:g} "
-            f"GB/s/GPU ({'full' if hw.full_duplex else 'half'} duplex), TP={opts.tp}, attention cost model "
+            f"{hw.name.upper()}: {hw.peak_flops / 1e12:.0f} TFLOP/s x MFU {hw.linear_mfu}, "
+            f"IB {hw.ib_bytes_per_s / 1e9:g} GB/s/GPU ({'full' if hw.full_duplex else 'half'} duplex), TP={opts.tp}, attention cost model "
             f"{hw.cost_model!r}, sync={opts.sync}, tolerance={opts.tolerance}, seeds={opts.seeds}, "
             f"upsample x{opts.upsample} >= {opts.upsample_threshold}{', docs cut at ranks' if opts.cut_docs else ''}"
         )
@@ -345,8 +352,8 @@ def main_pp(ap: argparse.ArgumentParser, args) -> int:
     png = None if args.no_plot or not {"wlb_ideal", "distca"} <= set(opts.policies) else plot_pp(rows, out_dir)
     if not args.json:
         print(
-            f"4D (--pp, a model): TP={opts.tp} x DP x PP, {SCHEDULE_NAMES[opts.pp_schedule]}, M micro-batches of DP x T "
-            f"tokens; MFU {hw.linear_mfu}, "
+            f"4D (--pp, a model): TP={opts.tp} x DP x PP, {SCHEDULE_NAMES[opts.pp_schedule]}, "
+            f"M micro-batches of DP x T tokens; MFU {hw.linear_mfu}, "
             f"IB {hw.ib_bytes_per_s / 1e9:g} GB/s/GPU, cost model {hw.cost_model!r}, tolerance={opts.tolerance}, "
             f"seeds={opts.seeds}, upsample x{opts.upsample} >= {opts.upsample_threshold}"
             f"{', docs cut at ranks' if opts.cut_docs else ''}"
@@ -365,7 +372,8 @@ def main_pp(ap: argparse.ArgumentParser, args) -> int:
             print()
             print(pp_summary(paper))
             if {"wlb_ideal", "distca"} <= set(opts.policies):
-                print("\ndistca (ping-pong) against the paper's WLB-ideal (wlb_ideal), each at its best P (distca/wlbi):")
+                print("\ndistca (ping-pong) against the paper's WLB-ideal (wlb_ideal), each at its best P "
+                      "(distca/wlbi):")
                 print(pp_paper_table(paper))
         _print_details(rows)
         print(f"\n{wall:.1f} s; results in {out_dir / 'results_pp.jsonl'}" + (f", plot {png}" if png else ""))

@@ -166,7 +166,8 @@ def load_arch(name_or_path: str) -> Arch:
     d.setdefault("name", p.stem)
     if "head_dim" not in d and isinstance(d.get("hidden"), int) and isinstance(d.get("heads"), int) and d["heads"] > 0:
         if d["hidden"] % d["heads"]:
-            raise ValueError(f"--model {p}: hidden={d['hidden']} is not a multiple of heads={d['heads']}; give head_dim")
+            raise ValueError(f"--model {p}: hidden={d['hidden']} is not a multiple of heads={d['heads']}; "
+                             "give head_dim")  # fmt: skip
         d["head_dim"] = d["hidden"] // d["heads"]
     unknown = sorted(set(d) - {"name", *_ARCH_INTS})
     missing = [k for k in _ARCH_INTS if k not in d]
@@ -227,7 +228,8 @@ class Hardware:
         }  # fmt: skip
         diff = {f: getattr(self, f) for f in _MACHINE_FIELDS if getattr(self, f) != getattr(H200, f)}
         if diff:
-            out["hardware"] = {"name": self.name, **{k: list(v) if isinstance(v, tuple) else v for k, v in diff.items()}}
+            diff = {k: list(v) if isinstance(v, tuple) else v for k, v in diff.items()}  # as JSON has it
+            out["hardware"] = {"name": self.name, **diff}
         return out
 
     def op_overhead(self, pingpong: bool) -> tuple[float, float]:

@@ -394,7 +394,8 @@ def detail_table(rows: list[dict]) -> str:
         layout = f"{gpus} GPUs = {r0['ca_ranks']} CA ranks x TP {r0['tp']}"
         if P:
             layout += f", PP {P} x DP {r0['dp']}, {r0['microbatches']} micro-batches"
-        out += [f"{model} / {dist}: {layout}, {ctx} tokens per CA rank, {r0['seeds']} seeds", head, "  " + "-" * (len(head) - 2)]
+        title = f"{model} / {dist}: {layout}, {ctx} tokens per CA rank, {r0['seeds']} seeds"
+        out += [title, head, "  " + "-" * (len(head) - 2)]
         by = {(r["policy"], r["pingpong"]): r for r in rs}
         for r in rs:
             d = by.get(("distca", r["pingpong"]))
@@ -402,9 +403,10 @@ def detail_table(rows: list[dict]) -> str:
             iv = f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ("" if x is None else "(< 3 seeds)")
             fwd = r.get("max_gpu_fwd_bytes")
             mem = "does not fit" if not r.get("fits_memory", True) else r.get("recompute", "-")
+            mb = _fmt(None if fwd is None else fwd / 1e6, ".1f")
             out.append(
-                f"  {r['policy']:<12} {'on' if r['pingpong'] else 'off':>3} | {r['step_s']:>9.3f} {r['step_s_std']:>7.3f} | "
-                f"{_fmt(x):>8} {iv:<14} | {r['memory_gib']:>7.1f} {mem:>12} | {_fmt(None if fwd is None else fwd / 1e6, '.1f'):>16}"
+                f"  {r['policy']:<12} {'on' if r['pingpong'] else 'off':>3} | {r['step_s']:>9.3f} "
+                f"{r['step_s_std']:>7.3f} | {_fmt(x):>8} {iv:<14} | {r['memory_gib']:>7.1f} {mem:>12} | {mb:>16}"
             )
         out.append("")
     if any(not r.get("fits_memory", True) for r in rows if "step_s" in r):

@@ -113,8 +113,8 @@ def _ratio_ci95(base: list[float], ours: list[float], n: int = 1000) -> list[flo
 def speedup(base: dict | None, ours: dict) -> tuple[float | None, list[float] | None]:
     """(mean step of ``base`` / mean step of ``ours``, its 95% interval): None where ``base`` did not
     run or either side does not fit in memory even with full recomputation."""
-    ok = base and "step_s" in base and "step_s" in ours and base.get("fits_memory", True) and ours.get("fits_memory", True)
-    if not ok:
+    ran = base is not None and "step_s" in base and "step_s" in ours
+    if not (ran and base.get("fits_memory", True) and ours.get("fits_memory", True)):
         return None, None
     ci = _ratio_ci95(base["step_s_seeds"], ours["step_s_seeds"]) if "step_s_seeds" in ours else None
     return round(base["step_s"] / ours["step_s"], 4), ci
