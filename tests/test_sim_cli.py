@@ -121,6 +121,9 @@ def test_text_output_shows_the_per_policy_table_and_paper_tables_only_for_the_pa
     lo, hi = d["speedup_vs_wlb_ideal_ci95"]
     assert f"{w['step_s']:.3f}" in line and f"{d['speedup_vs_wlb_ideal']:.2f} [{lo:.2f}, {hi:.2f}]" in line
     assert f"{w['memory_gib']:.1f}" in line and f"{w['max_gpu_fwd_bytes'] / 1e6:.1f}" in line
+    # --details asks for the per-policy table of the paper's workload too.
+    shipped = [*TINY, "--doclens", "prolong", "--policy", "distca", "--policy", "colocated"]
+    assert "per policy:" not in _run(shipped)[1] and "per policy:" in _run([*shipped, "--details"])[1]
 
 
 def test_python_dash_m_runs_a_headerless_csv(tmp_path):

@@ -127,6 +127,11 @@ def parser() -> argparse.ArgumentParser:
         "--max-plan-s", type=float, default=20.0, help="skip a policy at larger sizes once one plan takes longer"
     )
     ap.add_argument("--json", action="store_true", help="one JSON object per configuration per line")
+    ap.add_argument(
+        "--details", action=argparse.BooleanOptionalAction,
+        help="print the per-policy table (step, distca's speedup with its 95%% interval, memory, bytes per GPU); "
+        "default: for a model or workload of your own, not for the paper's",
+    )  # fmt: skip
     ap.add_argument("--out", default="outputs/simulate", help="directory for speedup.png and results.jsonl")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument(
@@ -311,14 +316,15 @@ def main(argv: list[str] | None = None) -> int:
             if "wlb_ideal" in opts.policies and "distca" in opts.policies:
                 print("\ndistca (ping-pong) against the paper's WLB-ideal (wlb_ideal), per configuration:")
                 print(paper_table(paper))
-        _print_details(rows)
+        _print_details(rows, args.details)
         print(f"\n{wall:.1f} s; results in {out_dir / 'results.jsonl'}" + (f", plot {png}" if png else ""))
     return 0
 
 
-def _print_details(rows: list[dict]) -> None:
-    """The per-policy table for the rows outside the paper's grid (a user's model or workload)."""
-    user = [r for r in rows if not is_paper_row(r)]
+def _print_details(rows: list[dict], details: bool | None) -> None:
+    """The per-policy table: of every row with ``--details``, of none with ``--no-details``, else of the
+    rows outside the paper's (model, doclens) pairs (a user's model or workload)."""
+    user = rows if details else [] if details is False else [r for r in rows if not is_paper_row(r)]
     if user:
         print("\nper policy: predicted step seconds (mean, std over seeds), distca's speedup over the policy (same\n"
               "ping-pong setting) with its 95% interval, memory per GPU, forward bytes per GPU per layer\n")  # fmt: skip
@@ -375,6 +381,6 @@ def main_pp(ap: argparse.ArgumentParser, args) -> int:
                 print("\ndistca (ping-pong) against the paper's WLB-ideal (wlb_ideal), each at its best P "
                       "(distca/wlbi):")
                 print(pp_paper_table(paper))
-        _print_details(rows)
+        _print_details(rows, args.details)
         print(f"\n{wall:.1f} s; results in {out_dir / 'results_pp.jsonl'}" + (f", plot {png}" if png else ""))
     return 0

@@ -209,14 +209,19 @@ class Hardware:
     """Bytes of GPU memory the recomputation choice (:func:`recompute_mode`) and WLB's cap must fit."""
     name: str = "h200"
     peak_flops: float = PEAK_BF16_FLOPS
+    """FLOP/s per GPU of the linear layers before ``linear_mfu``."""
     nvlink_bytes_per_s: float = NVLINK_BYTES_PER_S
+    """Bytes/s per GPU of the TP all-gathers and reduce-scatters."""
     hbm_bytes_per_s: float = HBM_BYTES_PER_S
+    """Bytes/s of the runtime's pack and unpack copies."""
     a2a_base_latency_s: float = A2A_BASE_LATENCY_S
     net_hop_latency_s: float = NET_HOP_LATENCY_S
     op_overhead_s: tuple[float, float] = OP_OVERHEAD_S
+    """Seconds per ``core_attention`` call (forward, backward) beyond its kernels."""
     cost_model: str = COST_MODEL
-    """A stored attention cost model name or a JSON path (``distca.load_cost_model``)."""
+    """The attention kernels' cost model: a stored name or a JSON path (``distca.load_cost_model``)."""
     gpus_per_node: int = GPUS_PER_NODE
+    """GPUs per NVLink domain: the largest ``--tp``."""
 
     def settings(self) -> dict:
         """The knobs as a row's ``settings`` report them; a profile other than the shipped H200 adds
@@ -248,10 +253,6 @@ class Hardware:
             return 0.0
         return self.latency_scale * (self.a2a_base_latency_s + (ranks - 1) * self.net_hop_latency_s)
 
-    def describe(self) -> str:
-        return (f"{self.name}: {self.peak_flops / 1e12:.0f} TFLOP/s x MFU {self.linear_mfu}, "
-                f"IB {self.ib_bytes_per_s / 1e9:g} GB/s/GPU ({'full' if self.full_duplex else 'half'} duplex), "
-                f"HBM {self.hbm_bytes / 1e9:g} GB")  # fmt: skip
 
 
 H200 = Hardware()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -64,8 +64,6 @@ class Options:
     pp_schedule: str = "1f1b"
     tp: int = TP
     """Tensor-parallel degree: GPUs per CA rank."""
-    extra_settings: dict = field(default_factory=dict)
-    """Reserved for later modes; merged into every row's ``settings``."""
 
     def sampling(self) -> dict:
         """:func:`distca.sim.workloads.build_layout`'s keyword arguments."""
@@ -76,7 +74,6 @@ class Options:
         return {
             "tolerance": self.tolerance, **hw.settings(), "upsample": self.upsample,
             "upsample_threshold": self.upsample_threshold, "cut_docs": self.cut_docs, "cost_model": hw.cost_model,
-            **self.extra_settings,
         }  # fmt: skip
 
 
