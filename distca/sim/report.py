@@ -32,6 +32,12 @@ def _fmt(v, spec=".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _widths(rows: list[dict]) -> tuple[int, int]:
+    """Widths of the model and doclens columns: the paper's 10 and 8, wider for longer names."""
+    return (max([10] + [len(r["model"]) for r in rows if "model" in r]),
+            max([8] + [len(r["doclens"]) for r in rows if "doclens" in r]))  # fmt: skip
+
+
 def table(rows: list[dict]) -> str:
     """One line per (model, doclens, gpus, context, pingpong): step seconds per policy, distca's speedups."""
     groups: dict[tuple, dict[str, dict]] = {}
@@ -40,8 +46,9 @@ def table(rows: list[dict]) -> str:
             key = (r["model"], r["doclens"], r["pingpong"], r["gpus"], r["context"])
             groups.setdefault(key, {})[r["policy"]] = r
     pols = [p for p in POLICIES if any(p in g for g in groups.values())]
+    wm, wd = _widths(rows)
     head = (
-        f"{'model':<10} {'doclens':<8} {'gpus':>4} {'ctx':>4} {'pp':>3} | "
+        f"{'model':<{wm}} {'doclens':<{wd}} {'gpus':>4} {'ctx':>4} {'pp':>3} | "
         + " ".join(f"{p:>10}" for p in pols)
         + f" | {'cp':>3} | {'x pdcp':>6} {'x wlb':>6} {'x wlbi':>6} {'x coloc':>7} {'x wlb0':>6} | {'plan ms':>7}"
     )
@@ -54,7 +61,7 @@ def table(rows: list[dict]) -> str:
         oom = "" if _mem(d) == "sel" else f"  {_mem(d)} {d['memory_gib']:.0f} GiB"
         sp = lambda base: _fmt(d.get(f"speedup_vs_{base}"))
         lines.append(
-            f"{model:<10} {dist:<8} {gpus:>4} {_k(ctx):>4} {'on' if pp else 'off':>3} | {cells} | "
+            f"{model:<{wm}} {dist:<{wd}} {gpus:>4} {_k(ctx):>4} {'on' if pp else 'off':>3} | {cells} | "
             f"{g.get('wlb_cp', {}).get('cp', '-')!s:>3} | {sp('per_doc_cp'):>6} {sp('wlb_cp'):>6} {sp('wlb_ideal'):>6} "
             f"{sp('colocated'):>7} {sp('wlb_cp_no_pp'):>6} | {_fmt(d.get('plan_ms'), '.1f'):>7}{oom}"
         )
@@ -144,8 +151,9 @@ def pp_table(rows: list[dict]) -> str:
         groups.setdefault(key, {})[r["policy"]] = r
     pols = [p for p in PP_POLICIES if any(p in g for g in groups.values())]
     names = {"distca_stage": "dca_stage"}
+    wm, wd = _widths(rows)
     head = (
-        f"{'model':<10} {'doclens':<8} {'gpus':>4} {'ctx':>4} {'P':>2} {'M':>3} {'pp':>3} | "
+        f"{'model':<{wm}} {'doclens':<{wd}} {'gpus':>4} {'ctx':>4} {'P':>2} {'M':>3} {'pp':>3} | "
         + " ".join(f"{names.get(p, p):>9}" for p in pols)
         + f" | {'cp':>3} {'bubble':>6} | {'spread':>11} {'idle':>11} | "
         + f"{'x wlbi':>6} {'x wlbi0':>7} {'x wlb':>5} {'x coloc':>7} {'x stage':>7} | {'/bound':>6} {'plan ms':>7}"
@@ -163,13 +171,13 @@ def pp_table(rows: list[dict]) -> str:
         sp = lambda base: _fmt(d.get(f"speedup_vs_{base}"))
         gap = d["step_s"] / d["bound_s"] if d.get("bound_s") else None
         lines.append(
-            f"{model:<10} {dist:<8} {gpus:>4} {_k(ctx):>4} {P:>2} {any_r['microbatches']:>3} "
+            f"{model:<{wm}} {dist:<{wd}} {gpus:>4} {_k(ctx):>4} {P:>2} {any_r['microbatches']:>3} "
             f"{'on' if ppg else 'off':>3} | {cells} | {g.get('wlb_cp', {}).get('cp', '-')!s:>3} "
             f"{any_r['bubble']:>6.3f} | {two('tick_spread', '.2f'):>11} {two('idle_frac', '.2f'):>11} | "
             f"{sp('wlb_ideal'):>6} {sp('wlb_ideal_no_pp'):>7} {sp('wlb_cp'):>5} {sp('colocated'):>7} "
             f"{sp('distca_stage'):>7} | {_fmt(gap, '.3f'):>6} {_fmt(d.get('plan_ms'), '.1f'):>7}"
             + ("" if _mem(d) == "sel" else f"  {_mem(d)} {d['memory_gib']:.0f} GiB")
-            + ("" if _mem(g.get("wlb_ideal", {})) == "sel" else f"  wlbi {_mem(g['wlb_ideal'])} {g['wlb_ideal']['memory_gib']:.0f} GiB")
+            + ("" if _mem(w := g.get("wlb_ideal", {})) == "sel" else f"  wlbi {_mem(w)} {w['memory_gib']:.0f} GiB")
         )
     if any(_mem(r) != "sel" for r in rows):
         lines.append(_MEM_NOTE + "; per stage s the tick policies hold min(M, 2(P-s)-1) micro-batches' activations "
@@ -301,7 +309,7 @@ def plot(rows: list[dict], out_dir: Path) -> Path:
                         x, y = zip(*pts)
                         ax.plot(x, y, style, color=colors[k % len(colors)], ms=4, label=f"{_k(ctx)} {label}")
             _speedup_axis(ax, sorted({r["gpus"] for r in sel}), f"{model}, {dist}", _tp_label(sel))
-    title = "distca step-time speedup in distca.sim's model (distca with ping-pong overlap)"
+    title = "distca's modelled step-time speedup (distca with ping-pong overlap)"
     return _save_figure(fig, title, out_dir / "speedup.png")
 
 
