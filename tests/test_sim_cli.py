@@ -241,3 +241,5 @@ def test_bad_model_and_hardware_files(tmp_path):
     assert f"--hardware {h}: unknown fields ['hbm_gb']" in _error(["--hardware", str(h)])
     h.write_text(json.dumps({"peak_flops": 0}))
     assert "peak_flops must be a number > 0, got 0" in _error(["--hardware", str(h)])
+    h.write_text(json.dumps({"cost_model": "b200"}))
+    assert "cost_model 'b200' cannot be loaded (unknown cost model 'b200'" in _error(["--hardware", str(h)])

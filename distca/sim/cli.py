@@ -34,6 +34,7 @@ import os
 import time
 from pathlib import Path
 
+from distca import load_cost_model
 from distca.doclens import DISTRIBUTIONS
 from distca.sim.hardware import ARCHS, HARDWARE, TP, Arch, Hardware, load_arch, load_hardware
 from distca.sim.pipeline import PP_GRID, PP_POLICIES, PP_SCHEDULES, SCHEDULE_NAMES, simulate_pp_config
@@ -157,6 +158,10 @@ def _hardware(ap: argparse.ArgumentParser, args) -> Hardware:
              "hbm_bytes": None if args.hbm_gb is None else args.hbm_gb * 1e9,
              "full_duplex": False if args.half_duplex else None}  # fmt: skip
     hw = dataclasses.replace(hw, **{k: v for k, v in flags.items() if v is not None})
+    try:
+        load_cost_model(hw.cost_model)
+    except (ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
+        ap.error(f"--hardware {args.hardware}: cost_model {hw.cost_model!r} cannot be loaded ({e})")
     if hw.wlb_token_cap < 1.0 or hw.op_overhead_scale < 0 or hw.hbm_bytes <= 0:
         ap.error(f"--wlb-token-cap must be >= 1, --op-overhead-scale >= 0 and --hbm-gb > 0, got "
                  f"{hw.wlb_token_cap}, {hw.op_overhead_scale} and {hw.hbm_bytes / 1e9:g}")  # fmt: skip
