@@ -57,8 +57,10 @@ def load_workload(name_or_path: str) -> Workload:
         return Workload(name_or_path, load_doclens(name_or_path))
     p = Path(name_or_path)
     arg = f"--doclens {name_or_path}"
-    if not p.is_file():
+    if not p.exists():
         raise ValueError(f"{arg}: no such file (and not a shipped distribution {list(DISTRIBUTIONS)})")
+    if not p.is_file():
+        raise ValueError(f"{arg}: not a regular file")
     try:
         text = p.read_text()
     except (OSError, UnicodeDecodeError) as e:
