@@ -9,7 +9,7 @@ and measurement side by side:
     python scripts/validate_simulator.py RUN.jsonl --json          # one object per (run, config)
     python scripts/validate_simulator.py RUN.jsonl --attention-model packaged   # the planner's model
 
-The step model has the simulator's structure (``scripts/simulate.py``: per-rank attention from the
+The step model has the simulator's structure (``distca.sim``: per-rank attention from the
 plans' loads under a CA cost model, transport charged per byte, every layer waiting for its slowest
 rank, ``sync="layer"``), with numbers measured on the CPU machine in place of the H200 cluster's
 constants:

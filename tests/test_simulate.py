@@ -1,22 +1,14 @@
-"""Tests of scripts/simulate.py, the analytic step-time simulator (CPU only, a few seconds)."""
+"""Tests of distca.sim, the analytic step-time simulator (CPU only, a few seconds)."""
 
 import contextlib
-import importlib.util
 import io
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from distca import MODEL_SHAPES, Layout, causal_pairs, load_cost_model, plan
-
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "simulate.py"
-_spec = importlib.util.spec_from_file_location("simulate", _PATH)
-simulate = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("simulate", simulate)  # dataclasses look their module up while executing it
-_spec.loader.exec_module(simulate)
+from distca.sim import baselines, cli, hardware, pipeline, report, step, sweep
 
 FIELDS = {
     "model": str,
@@ -51,7 +43,7 @@ def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("simulate")
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = simulate.main(["--quick", "--json", "--out", str(out)])
+        rc = cli.main(["--quick", "--json", "--out", str(out)])
     assert rc == 0
     rows = [json.loads(line) for line in buf.getvalue().splitlines() if line.strip()]
     return rows, out
@@ -65,15 +57,15 @@ def test_json_rows_have_fields(quick):
     """Every row carries the documented fields with the right types and sane values."""
     rows, _ = quick
     # llama3-8b x {pretrain, prolong} x {64, 256} GPUs x 128K x 5 policies x {off, on}
-    assert len(rows) == 2 * 2 * len(simulate.POLICIES) * 2
+    assert len(rows) == 2 * 2 * len(sweep.POLICIES) * 2
     for r in rows:
         for name, typ in FIELDS.items():
             assert isinstance(r[name], typ), f"{name}={r.get(name)!r} in {r['policy']}"
-        assert r["model"] == "llama3-8b" and r["params"] == simulate.ARCHS["llama3-8b"].params
+        assert r["model"] == "llama3-8b" and r["params"] == hardware.ARCHS["llama3-8b"].params
         assert r["ca_ranks"] * r["tp"] == r["gpus"]
         assert r["step_s"] > r["linear_s"] > 0
         assert 0 <= r["exposed_s"] <= r["comm_s"] + 1e-9 or r["policy"] == "wlb_cp"
-    assert {r["policy"] for r in rows} == set(simulate.POLICIES)
+    assert {r["policy"] for r in rows} == set(sweep.POLICIES)
     # The batches are skewed, and distca balances them: its imbalance is below colocated's.
     by = {(r["doclens"], r["gpus"], r["pingpong"], r["policy"]): r for r in rows}
     for (dist, gpus, pp, policy), r in by.items():
@@ -99,7 +91,7 @@ def test_pingpong_never_slower(quick):
     layer (ping-pong runs two nano-batches: OP_OVERHEAD_S once more per layer) on distca's op."""
     rows, _ = quick
     by = _by(rows)
-    extra = simulate.ARCHS["llama3-8b"].layers * sum(simulate.OP_OVERHEAD_S)
+    extra = hardware.ARCHS["llama3-8b"].layers * sum(hardware.OP_OVERHEAD_S)
     for (model, dist, gpus, ctx, policy, pp), r in by.items():
         if pp:
             slack = 0.0 if policy.startswith("wlb") else extra
@@ -111,13 +103,13 @@ def test_pingpong_never_slower(quick):
 
 def test_phase_model_alone_never_slower_with_pingpong():
     """step_time with the same runtime overhead either way: overlap never increases the step."""
-    arch = simulate.ARCHS["llama3-8b"]
+    arch = hardware.ARCHS["llama3-8b"]
     rng = np.random.default_rng(0)
     R = 8
-    rc = simulate.RankCosts(*(rng.uniform(0.001, 0.01, R) for _ in range(5)), np.zeros(R, dtype=np.int64), np.zeros(R))
-    for ovh in ((0.0, 0.0), simulate.OP_OVERHEAD_S):
-        a = simulate.step_time(rc, arch, 131072, 2.8, False, "step", simulate.Hardware(), ovh)
-        b = simulate.step_time(rc, arch, 131072, 2.8, True, "step", simulate.Hardware(), ovh)
+    rc = step.RankCosts(*(rng.uniform(0.001, 0.01, R) for _ in range(5)), np.zeros(R, dtype=np.int64), np.zeros(R))
+    for ovh in ((0.0, 0.0), hardware.OP_OVERHEAD_S):
+        a = step.step_time(rc, arch, 131072, 2.8, False, "step", hardware.Hardware(), ovh)
+        b = step.step_time(rc, arch, 131072, 2.8, True, "step", hardware.Hardware(), ovh)
         assert b.step_s <= a.step_s * (1 + 1e-12) and b.exposed_s <= b.comm_s + 1e-9
 
 
@@ -133,23 +125,24 @@ def test_phase_overlap_bounds():
     """Ping-pong time lies between max(compute, comm) and the serial sum, elementwise."""
     rng = np.random.default_rng(0)
     lin, attn, d, o = (rng.exponential(1.0, 1000) for _ in range(4))
-    serial = simulate._phase(lin, attn, d, o, pingpong=False)
-    over = simulate._phase(lin, attn, d, o, pingpong=True)
+    serial = step._phase(lin, attn, d, o, pingpong=False)
+    over = step._phase(lin, attn, d, o, pingpong=True)
     assert np.allclose(serial, lin + attn + d + o)
     assert np.all(over <= serial + 1e-12)
     assert np.all(over >= np.maximum(lin + attn, d + o) - 1e-12)
     # No communication: overlap changes nothing.
     z = np.zeros(1000)
-    assert np.allclose(simulate._phase(lin, attn, z, z, True), lin + attn)
+    assert np.allclose(step._phase(lin, attn, z, z, True), lin + attn)
 
 
 def test_arch_matches_model_shapes_and_param_counts():
     """The linear-FLOPs sizes agree with distca.MODEL_SHAPES; parameter counts are the known ones."""
-    for name, a in simulate.ARCHS.items():
+    for name, a in hardware.ARCHS.items():
         s = MODEL_SHAPES[name]
         assert (a.heads, a.kv_heads, a.head_dim) == (s.num_heads, s.num_kv_heads, s.head_dim)
-    assert simulate.ARCHS["llama3-8b"].params == pytest.approx(8.03e9, rel=0.01)
-    assert simulate.ARCHS["llama3-34b"].params == pytest.approx(33.7e9, rel=0.01)
+        assert a.shape == s  # the simulator plans with the Arch's own shape
+    assert hardware.ARCHS["llama3-8b"].params == pytest.approx(8.03e9, rel=0.01)
+    assert hardware.ARCHS["llama3-34b"].params == pytest.approx(33.7e9, rel=0.01)
 
 
 def test_wlb_cp_serves_every_pair_once_and_matches_per_doc_cp_at_full_degree():
@@ -163,7 +156,7 @@ def test_wlb_cp_serves_every_pair_once_and_matches_per_doc_cp_at_full_degree():
     lay = Layout.from_doclens(rng.integers(50, 9000, 40), R, T)
     total = int(sum(n * (n + 1) // 2 for n in lay.doc_lens.tolist()))
     for c in (1, 2, 4, 8):
-        w = simulate.wlb_cp(lay, c, shape, cm)
+        w = baselines.wlb_cp(lay, c, shape, cm)
         t = w.tasks
         assert w.loads.shape == (R,) and w.ag_bytes.shape == (R,)
         assert np.all((t[:, 1] < t[:, 2]) & (t[:, 2] <= lay.doc_lens[t[:, 0]]))
@@ -177,14 +170,14 @@ def test_wlb_cp_serves_every_pair_once_and_matches_per_doc_cp_at_full_degree():
         p = plan(lay, "wlb_cp", cp_degree=c, shape=shape, cost_model=cm)
         assert np.array_equal(t, p.tasks) and np.allclose(w.loads, p.loads)
     full = plan(lay, "per_doc_cp", shape=shape, cost_model="h200")
-    assert np.allclose(simulate.wlb_cp(lay, R, shape, cm).loads, full.loads, rtol=1e-3)
+    assert np.allclose(baselines.wlb_cp(lay, R, shape, cm).loads, full.loads, rtol=1e-3)
     cut = Layout(tuple(np.union1d(lay.cu_array, np.arange(0, R * T + 1, T)).tolist()), R, T)
-    assert np.all(simulate.wlb_cp(cut, 1, shape, cm).ag_bytes == 0)
+    assert np.all(baselines.wlb_cp(cut, 1, shape, cm).ag_bytes == 0)
 
 
 def test_cli_rejects_bad_gpus():
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
-        simulate.main(["--gpus", "60", "--no-plot"])
+        cli.main(["--gpus", "60", "--no-plot"])
 
 
 # ---- pipeline parallelism (--pp) -------------------------------------------------------
@@ -196,7 +189,7 @@ def quick_pp(tmp_path_factory):
     out = tmp_path_factory.mktemp("simulate_pp")
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = simulate.main(["--quick", "--pp", "--json", "--out", str(out)])
+        rc = cli.main(["--quick", "--pp", "--json", "--out", str(out)])
     assert rc == 0
     return [json.loads(line) for line in buf.getvalue().splitlines() if line.strip()]
 
@@ -207,7 +200,7 @@ def quick_pp_gpipe(tmp_path_factory):
     out = tmp_path_factory.mktemp("simulate_pp_gpipe")
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = simulate.main(["--quick", "--pp", "--pp-schedule", "gpipe", "--json", "--no-plot", "--out", str(out)])
+        rc = cli.main(["--quick", "--pp", "--pp-schedule", "gpipe", "--json", "--no-plot", "--out", str(out)])
     assert rc == 0
     return [json.loads(line) for line in buf.getvalue().splitlines() if line.strip()]
 
@@ -222,7 +215,7 @@ def test_tick_layout_puts_microbatch_t_minus_s_on_stage_s_and_padding_on_idle_st
     P, M, DP, T = 3, 4, 2, 512
     mbs = _microbatches(M, DP, T)
     for t in range(M + P - 1):
-        lay, active = simulate.tick_layout(mbs, t, P)
+        lay, active = pipeline.tick_layout(mbs, t, P)
         assert (lay.ranks, lay.tokens_per_rank) == (P * DP, T)
         for s in range(P):
             m = t - s
@@ -239,7 +232,7 @@ def test_tick_layout_puts_microbatch_t_minus_s_on_stage_s_and_padding_on_idle_st
                     assert not active[r] and pad.all()
         assert active.sum() == DP * sum(0 <= t - s < M for s in range(P))
     # Documents never cross stages: every stage boundary is a document boundary.
-    lay, _ = simulate.tick_layout(mbs, P - 1, P)
+    lay, _ = pipeline.tick_layout(mbs, P - 1, P)
     assert set(range(0, P * DP * T + 1, DP * T)) <= set(lay.cu_seqlens)
 
 
@@ -249,7 +242,7 @@ def test_cad_gives_idle_stage_ranks_load_in_warmup_ticks():
     P, M, DP, T = 4, 4, 2, 4096
     mbs = _microbatches(M, DP, T, seed=1)
     shape = MODEL_SHAPES["llama3-8b"]
-    lay, active = simulate.tick_layout(mbs, 0, P)
+    lay, active = pipeline.tick_layout(mbs, 0, P)
     assert active.sum() == DP
     col = plan(lay, "colocated", shape=shape, cost_model="h200")
     dca = plan(lay, "distca", shape=shape, cost_model="h200")
@@ -265,19 +258,19 @@ def test_cad_gives_idle_stage_ranks_load_in_warmup_ticks():
 def test_bubble_fraction_and_idle_share_without_attention():
     """(P-1)/(M+P-1); with linear layers only (no attention, no comm, no head, no P2P) the tick model's
     step is 3 x layers x lin x (M+P-1) and its idle share equals the bubble fraction."""
-    assert simulate.bubble_fraction(4, 8) == pytest.approx(3 / 11)
-    assert simulate.bubble_fraction(1, 5) == 0.0
+    assert pipeline.bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert pipeline.bubble_fraction(1, 5) == 0.0
     P, M, DP, layers, lin = 4, 6, 2, 3, 0.5
     R = P * DP
     z = np.zeros(R)
     ticks = []
     for t in range(M + P - 1):
-        active = np.repeat([m is not None for m in simulate.tick_microbatches(t, P, M)], DP)
-        ticks.append((simulate.RankCosts(z, z, z, z, z, np.zeros(R, np.int64), z), active))
+        active = np.repeat([m is not None for m in pipeline.tick_microbatches(t, P, M)], DP)
+        ticks.append((step.RankCosts(z, z, z, z, z, np.zeros(R, np.int64), z), active))
     for pingpong in (False, True):
-        st = simulate.pp_tick_step(ticks, P, layers, lin, 0.0, 2.0, pingpong, 0.0)
+        st = pipeline.pp_tick_step(ticks, P, layers, lin, 0.0, 2.0, pingpong, 0.0)
         assert st.step_s == pytest.approx(3 * layers * lin * (M + P - 1))
-        assert st.idle_frac == pytest.approx(simulate.bubble_fraction(P, M))
+        assert st.idle_frac == pytest.approx(pipeline.bubble_fraction(P, M))
         assert st.bound_s == pytest.approx(st.step_s)
 
 
@@ -286,9 +279,9 @@ def test_gpipe_critical_path():
     the hand-computed 42 s, below the tick-synchronous 50 s; never above the tick model on random times."""
     P, M = 3, 4
     f = np.full((1, P, M), 2.0)
-    assert simulate.gpipe_time(f, 2 * f, 0.0)[0] == pytest.approx((M + P - 1) * 6.0)
+    assert pipeline.gpipe_time(f, 2 * f, 0.0)[0] == pytest.approx((M + P - 1) * 6.0)
     f = np.tile(np.array([5.0, 1.0, 5.0]), (1, 3, 1))
-    assert simulate.gpipe_time(f, f, 0.0)[0] == pytest.approx(42.0)
+    assert pipeline.gpipe_time(f, f, 0.0)[0] == pytest.approx(42.0)
     rng = np.random.default_rng(0)
     for _ in range(20):
         P, M = rng.integers(1, 6, 2)
@@ -296,22 +289,22 @@ def test_gpipe_critical_path():
         p2p = float(rng.exponential(0.1))
         tick = 0.0
         for t in range(M + P - 1):
-            on = [(s, m) for s, m in enumerate(simulate.tick_microbatches(t, P, M)) if m is not None]
+            on = [(s, m) for s, m in enumerate(pipeline.tick_microbatches(t, P, M)) if m is not None]
             tick += max(f[0, s, m] for s, m in on) + max(b[0, s, m] for s, m in on)
         tick += 2 * (M + P - 2) * p2p
-        assert simulate.gpipe_time(f, b, p2p)[0] <= tick + 1e-9
+        assert pipeline.gpipe_time(f, b, p2p)[0] <= tick + 1e-9
 
 
 def test_pp_rows_cad_spreads_ticks_and_beats_colocated(quick_pp):
     """--quick --pp: every policy x ping-pong; distca's per-tick max/mean compute is <= colocated's, its
     idle share and step are lower, and it is at least its own perfect-spread bound."""
     rows = quick_pp
-    assert len(rows) == 2 * 2 * len(simulate.PP_POLICIES) * 2
+    assert len(rows) == 2 * 2 * len(pipeline.PP_POLICIES) * 2
     by = {(r["doclens"], r["gpus"], r["policy"], r["pingpong"]): r for r in rows}
     for r in rows:
         assert (r["pp"], r["microbatches"], r["dp"] * r["pp"]) == (4, 8, r["ca_ranks"])
         assert r["bubble"] == pytest.approx(3 / 11)
-        assert r["schedule"] == ("tick_1f1b" if r["policy"] in simulate.TICK_POLICIES else "1f1b")
+        assert r["schedule"] == ("tick_1f1b" if r["policy"] in pipeline.TICK_POLICIES else "1f1b")
         assert r["settings"]["pp_schedule"] == "1f1b"
         # Over the same ticks, active ranks only: idle ranks can only lower the mean.
         assert 0 < r["idle_frac"] < 1 and r["tick_spread"] <= r["tick_spread_all"] + 1e-12
@@ -328,7 +321,7 @@ def test_pp_rows_cad_spreads_ticks_and_beats_colocated(quick_pp):
 
 def test_pp_cli_rejects_bad_stage_count():
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
-        simulate.main(["--pp", "3", "--gpus", "64", "--no-plot"])  # 8 CA ranks are not divisible by 3
+        cli.main(["--pp", "3", "--gpus", "64", "--no-plot"])  # 8 CA ranks are not divisible by 3
 
 
 def test_memory_estimate_picks_the_recomputation_that_fits(quick):
@@ -336,56 +329,56 @@ def test_memory_estimate_picks_the_recomputation_that_fits(quick):
     per layer plus one layer's 34 s h / t (full), plus sharded model states; a configuration a 141 GB GPU
     cannot hold with selective recomputation uses full recomputation, and one that does not fit even then
     reports no speedup."""
-    a8, a34 = simulate.ARCHS["llama3-8b"], simulate.ARCHS["llama3-34b"]
-    m = simulate.memory_per_gpu(a8, 131072, dp=8)
+    a8, a34 = hardware.ARCHS["llama3-8b"], hardware.ARCHS["llama3-34b"]
+    m = hardware.memory_per_gpu(a8, 131072, dp=8)
     sh = 131072 * 4096 / 8
     act = 34 * sh * 32
     states = a8.params * (4 / 8 + 12 / 64)
     assert m["activation_gib"] * 2**30 == pytest.approx(act) and m["model_state_gib"] * 2**30 == pytest.approx(states)
     assert m["fits_memory"] and m["memory_gib"] * 2**30 == pytest.approx(act + states)
-    full = simulate.memory_per_gpu(a8, 131072, dp=8, recompute="full")
+    full = hardware.memory_per_gpu(a8, 131072, dp=8, recompute="full")
     assert full["activation_gib"] * 2**30 == pytest.approx(2 * sh * 32 + 34 * sh)
-    assert simulate.recompute_mode(a8, 131072, 8) == "selective"
-    assert simulate.recompute_mode(a8, 262144, 8) == "full"  # 8B at 256K per node
-    assert simulate.recompute_mode(a34, 131072, 8) == "full"  # 34B at 128K per node
-    assert not simulate.memory_per_gpu(a34, 4 << 20, 8, recompute="full")["fits_memory"]
+    assert hardware.recompute_mode(a8, 131072, 8) == "selective"
+    assert hardware.recompute_mode(a8, 262144, 8) == "full"  # 8B at 256K per node
+    assert hardware.recompute_mode(a34, 131072, 8) == "full"  # 34B at 128K per node
+    assert not hardware.memory_per_gpu(a34, 4 << 20, 8, recompute="full")["fits_memory"]
     with pytest.raises(ValueError, match="recompute"):
-        simulate.memory_per_gpu(a8, 1024, 8, recompute="none")
+        hardware.memory_per_gpu(a8, 1024, 8, recompute="none")
     # PP: a stage holds L / P layers, but GPipe keeps all M micro-batches' activations.
-    pp = simulate.memory_per_gpu(a8, 131072, dp=2, pp=4, in_flight=8)
+    pp = hardware.memory_per_gpu(a8, 131072, dp=2, pp=4, in_flight=8)
     assert pp["activation_gib"] == pytest.approx(m["activation_gib"] / 4 * 8)
     # Full recomputation reruns every layer's forward, communication included.
     rng = np.random.default_rng(0)
-    rc = simulate.RankCosts(*(np.full(4, x) for x in rng.uniform(0.001, 0.01, 5)), np.zeros(4, dtype=np.int64), np.zeros(4))
-    hw = simulate.Hardware()
-    sel = simulate.step_time(rc, a8, 131072, 2.8, False, "step", hw)
-    rec = simulate.step_time(rc, a8, 131072, 2.8, False, "step", hw, recompute="full")
-    fwd = simulate.linear_fwd_s(a8, 131072, hw) + rc.attn_fwd[0] + rc.fwd_dispatch[0] + rc.fwd_return[0]
+    rc = step.RankCosts(*(np.full(4, x) for x in rng.uniform(0.001, 0.01, 5)), np.zeros(4, dtype=np.int64), np.zeros(4))
+    hw = hardware.Hardware()
+    sel = step.step_time(rc, a8, 131072, 2.8, False, "step", hw)
+    rec = step.step_time(rc, a8, 131072, 2.8, False, "step", hw, recompute="full")
+    fwd = hardware.linear_fwd_s(a8, 131072, hw) + rc.attn_fwd[0] + rc.fwd_dispatch[0] + rc.fwd_return[0]
     assert rec.step_s - sel.step_s == pytest.approx(a8.layers * fwd)
     rows, _ = quick  # 8B at 128K: every row fits with selective recomputation; the tables have no mark
     assert all(r["recompute"] == "selective" and r["fits_memory"] for r in rows if "step_s" in r)
-    assert " full " not in simulate.table(rows) and "*" not in simulate.summary(rows)
+    assert " full " not in report.table(rows) and "*" not in report.summary(rows)
     marked = [{**r, "recompute": "full", "memory_gib": 100.0} for r in rows]
-    assert "full 100 GiB" in simulate.table(marked) and "*" in simulate.summary(marked)
+    assert "full 100 GiB" in report.table(marked) and "*" in report.summary(marked)
     gone = [{k: v for k, v in r.items() if not k.startswith("speedup")} for r in rows]
     gone = [{**r, "fits_memory": False} if r["policy"] == "distca" else r for r in gone]
-    simulate._add_speedups(gone, ("wlb_ideal",))
+    sweep._add_speedups(gone, ("wlb_ideal",))
     assert all(r["speedup_vs_wlb_ideal"] is None for r in gone if r["policy"] == "distca")
     assert any(r["speedup_vs_wlb_ideal"] is not None for r in gone if r["policy"] == "greedy")
 
 
 def test_wlb_pack_places_every_document_once_and_balances_work():
-    arch, shape = simulate.ARCHS["llama3-8b"], MODEL_SHAPES["llama3-8b"]
+    arch, shape = hardware.ARCHS["llama3-8b"], MODEL_SHAPES["llama3-8b"]
     cm = load_cost_model("h200").for_shape(shape)
-    hw = simulate.Hardware()
+    hw = hardware.Hardware()
     rng = np.random.default_rng(0)
     small = rng.integers(100, 3000, 400)
     small = small[: int(np.searchsorted(np.cumsum(small), 4 * 2 * 32768 - 21000))]
     lens = np.concatenate([small, [12000, 9000]])  # fewer tokens than the batch holds
-    packs = simulate.wlb_pack(lens, groups=4, c=2, ctx=32768, arch=arch, cm=cm, hw=hw)
+    packs = baselines.wlb_pack(lens, groups=4, c=2, ctx=32768, arch=arch, cm=cm, hw=hw)
     assert sorted(x for p in packs for x in p) == sorted(lens.tolist())
-    assert all(sum(p) <= simulate.WLB_TOKEN_CAP * 2 * 32768 for p in packs)
-    work = lambda p: sum(3 * simulate.linear_fwd_s(arch, 1, hw) * d + float(cm.task_time(0, d)) * (1 + cm.bwd_factor) / simulate.TP for d in p)  # noqa: E731
+    assert all(sum(p) <= hardware.WLB_TOKEN_CAP * 2 * 32768 for p in packs)
+    work = lambda p: sum(3 * hardware.linear_fwd_s(arch, 1, hw) * d + float(cm.task_time(0, d)) * (1 + cm.bwd_factor) / hardware.TP for d in p)  # noqa: E731
     w = [work(p) for p in packs]
     assert max(w) / np.mean(w) < 1.02  # many small documents: LPT evens the groups out
     # Tokens are what varlen packing trades: the groups holding the long documents hold fewer tokens.
@@ -395,32 +388,32 @@ def test_wlb_pack_places_every_document_once_and_balances_work():
 
 
 def test_wlb_ideal_beats_wlb_cp_on_a_skewed_batch_and_equals_per_doc_cp_costs_at_one_group():
-    arch, shape = simulate.ARCHS["llama3-8b"], MODEL_SHAPES["llama3-8b"]
+    arch, shape = hardware.ARCHS["llama3-8b"], MODEL_SHAPES["llama3-8b"]
     cm = load_cost_model("h200").for_shape(shape)
-    hw = simulate.Hardware()
+    hw = hardware.Hardware()
     T = 32768
     # Two documents of 1.5 T: with fixed budgets each shares its CP group of 2 with short documents;
     # variable-length packing gives those groups nothing else and the short ones go elsewhere.
     lay = Layout.from_doclens([3 * T // 2, 3 * T // 2] + [1024] * (5 * T // 1024), 8, T)
-    ideal = simulate.wlb_ideal_step(lay, 2, arch, T, shape, cm, hw, "step")[0][False][0]
-    _, loads, ag, _ = simulate.wlb_cp(lay, 2, shape, cm)
-    cp = simulate.step_time(simulate.wlb_costs(loads, ag, 2, hw), arch, T, cm.bwd_factor, False, "step", hw)
+    ideal = baselines.wlb_ideal_step(lay, 2, arch, T, shape, cm, hw, "step")[0][False][0]
+    _, loads, ag, _ = baselines.wlb_cp(lay, 2, shape, cm)
+    cp = step.step_time(baselines.wlb_costs(loads, ag, 2, hw), arch, T, cm.bwd_factor, False, "step", hw)
     assert ideal.step_s < cp.step_s and ideal.linear_s < cp.linear_s
     # c = R: one group holding every document is per-document CP over the whole batch.
-    one = simulate.wlb_ideal_step(lay, 8, arch, T, shape, cm, hw, "step")[0][False][0]
-    _, loads, ag, _ = simulate.wlb_cp(lay, 8, shape, cm)
-    full = simulate.step_time(simulate.wlb_costs(loads, ag, 8, hw), arch, T, cm.bwd_factor, False, "step", hw)
+    one = baselines.wlb_ideal_step(lay, 8, arch, T, shape, cm, hw, "step")[0][False][0]
+    _, loads, ag, _ = baselines.wlb_cp(lay, 8, shape, cm)
+    full = step.step_time(baselines.wlb_costs(loads, ag, 8, hw), arch, T, cm.bwd_factor, False, "step", hw)
     assert one.step_s == pytest.approx(full.step_s, rel=0.02)
 
 
 def test_speedup_intervals_are_paired_bootstraps_over_seeds(quick):
-    assert simulate._ratio_ci95([2.0] * 5, [1.0] * 5) == [2.0, 2.0]
+    assert sweep._ratio_ci95([2.0] * 5, [1.0] * 5) == [2.0, 2.0]
     rng = np.random.default_rng(1)
     ours = rng.uniform(1.0, 2.0, 30)
     base = ours * 1.2 + rng.normal(0, 0.05, 30)
-    lo, hi = simulate._ratio_ci95(base.tolist(), ours.tolist())
+    lo, hi = sweep._ratio_ci95(base.tolist(), ours.tolist())
     assert lo < base.mean() / ours.mean() < hi and hi - lo < 0.1  # paired: the batches' spread cancels
-    assert simulate._ratio_ci95([1.0, 2.0], [1.0, 2.0]) is None  # too few seeds
+    assert sweep._ratio_ci95([1.0, 2.0], [1.0, 2.0]) is None  # too few seeds
     rows, _ = quick  # 2 seeds: the fields are there, without an interval
     d = next(r for r in rows if r["policy"] == "distca")
     assert len(d["step_s_seeds"]) == 2 and d["speedup_vs_wlb_ideal_ci95"] is None
@@ -433,7 +426,7 @@ def test_jobs_give_the_same_rows_and_the_paper_table_places_intervals(tmp_path):
     for jobs in ("1", "2"):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            assert simulate.main([*args, "--jobs", jobs]) == 0
+            assert cli.main([*args, "--jobs", jobs]) == 0
         outs.append([json.loads(line) for line in buf.getvalue().splitlines() if line.strip()])
     drop = lambda r: {k: v for k, v in r.items() if k != "plan_ms"}  # noqa: E731 - wall time differs
     assert [drop(r) for r in outs[0]] == [drop(r) for r in outs[1]]
@@ -441,7 +434,7 @@ def test_jobs_give_the_same_rows_and_the_paper_table_places_intervals(tmp_path):
     d = next(r for r in rows if r["policy"] == "distca" and r["pingpong"])
     lo, hi = d["speedup_vs_wlb_ideal_ci95"]
     assert lo <= d["speedup_vs_wlb_ideal"] <= hi
-    text = simulate.paper_table(rows)
+    text = report.paper_table(rows)
     assert len(text.splitlines()) == 2 + 2  # header, rule, one line per GPU count
     line = next(x for x in text.splitlines() if x.split()[:3] == ["llama3-8b", "prolong", "64"])
     where = "above" if lo > 1.12 else "below" if hi < 1.05 else "within" if 1.05 <= lo and hi <= 1.12 else "overlap"
@@ -457,23 +450,23 @@ def test_collective_latency_is_paid_per_call_and_only_when_rows_move():
     no collective otherwise), and the layout copies per byte moved; a ring all-gather over c ranks pays
     c - 1 network steps."""
     z = np.zeros(3)
-    assert np.allclose(simulate._phase(z, z, z, z, False, (1e-5, 2e-5)), 3e-5)
-    assert np.allclose(simulate._phase(z, z, z, z, True, (1e-5, 2e-5)), 6e-5)
-    hw, shape = simulate.Hardware(), MODEL_SHAPES["llama3-8b"]
-    assert hw.a2a_latency_s() == pytest.approx(simulate.A2A_BASE_LATENCY_S + simulate.NET_HOP_LATENCY_S)
+    assert np.allclose(step._phase(z, z, z, z, False, (1e-5, 2e-5)), 3e-5)
+    assert np.allclose(step._phase(z, z, z, z, True, (1e-5, 2e-5)), 6e-5)
+    hw, shape = hardware.Hardware(), MODEL_SHAPES["llama3-8b"]
+    assert hw.a2a_latency_s() == pytest.approx(hardware.A2A_BASE_LATENCY_S + hardware.NET_HOP_LATENCY_S)
     assert hw.ring_latency_s(1) == 0.0
-    assert hw.ring_latency_s(8) == pytest.approx(simulate.A2A_BASE_LATENCY_S + 7 * simulate.NET_HOP_LATENCY_S)
-    assert simulate.Hardware(latency_scale=0.0).a2a_latency_s() == 0.0
+    assert hw.ring_latency_s(8) == pytest.approx(hardware.A2A_BASE_LATENCY_S + 7 * hardware.NET_HOP_LATENCY_S)
+    assert hardware.Hardware(latency_scale=0.0).a2a_latency_s() == 0.0
     lay = Layout.from_doclens([4096, 1024, 1024, 2048], 2, 4096)
     for policy, moves in (("colocated", False), ("distca", True)):
         p = plan(lay, policy, tolerance=0.0, shape=shape, cost_model="h200")
         assert (p.traffic.fwd.sum() > 0) == moves
-        rc = simulate.rank_costs(p.loads, p.traffic, shape, np.zeros(2, dtype=np.int64), hw)
+        rc = step.rank_costs(p.loads, p.traffic, shape, np.zeros(2, dtype=np.int64), hw)
         assert rc.latency == ((hw.a2a_latency_s(),) * 4 if moves else (0.0,) * 4)
         # Packing and unpacking: every byte a GPU sends or receives is read and written once.
-        assert np.allclose(rc.copy_s[0], 2 * rc.fwd_bytes_gpu / simulate.HBM_BYTES_PER_S)
+        assert np.allclose(rc.copy_s[0], 2 * rc.fwd_bytes_gpu / hardware.HBM_BYTES_PER_S)
         assert (rc.copy_s[1].sum() > rc.copy_s[0].sum()) == moves
-    w = simulate.wlb_costs(np.ones(4), np.ones(4), 4, hw)
+    w = baselines.wlb_costs(np.ones(4), np.ones(4), 4, hw)
     assert w.latency == (hw.ring_latency_s(4), 0.0, hw.ring_latency_s(4), hw.ring_latency_s(4))
 
 
@@ -483,44 +476,44 @@ def test_tick_step_charges_the_op_overhead_on_every_rank_and_layer():
     P, M, DP, layers, lin = 2, 3, 2, 4, 0.1
     R = P * DP
     z = np.zeros(R)
-    ticks = [(simulate.RankCosts(z, z, z, z, z, np.zeros(R, np.int64), z),
-              np.repeat([m is not None for m in simulate.tick_microbatches(t, P, M)], DP)) for t in range(M + P - 1)]  # fmt: skip
+    ticks = [(step.RankCosts(z, z, z, z, z, np.zeros(R, np.int64), z),
+              np.repeat([m is not None for m in pipeline.tick_microbatches(t, P, M)], DP)) for t in range(M + P - 1)]  # fmt: skip
     ovh = (1e-3, 2e-3)
-    base = simulate.pp_tick_step(ticks, P, layers, lin, 0.0, 2.0, False, 0.0)
-    more = simulate.pp_tick_step(ticks, P, layers, lin, 0.0, 2.0, False, 0.0, ovh)
+    base = pipeline.pp_tick_step(ticks, P, layers, lin, 0.0, 2.0, False, 0.0)
+    more = pipeline.pp_tick_step(ticks, P, layers, lin, 0.0, 2.0, False, 0.0, ovh)
     assert more.step_s - base.step_s == pytest.approx((M + P - 1) * layers * sum(ovh))
 
 
 def test_wlb_cap_follows_the_memory_estimate():
-    a8, a34 = simulate.ARCHS["llama3-8b"], simulate.ARCHS["llama3-34b"]
-    fit = simulate.fit_tokens(a8, dp=8)
-    assert simulate.memory_per_gpu(a8, int(fit), 8)["memory_gib"] * 2**30 == pytest.approx(simulate.HBM_BYTES, rel=1e-4)
-    assert simulate.wlb_cap(a8, 32768, 8) == simulate.WLB_TOKEN_CAP  # plenty of room
-    assert simulate.wlb_cap(a8, int(fit / 1.5), 8) == pytest.approx(1.5, rel=1e-4)
+    a8, a34 = hardware.ARCHS["llama3-8b"], hardware.ARCHS["llama3-34b"]
+    fit = hardware.fit_tokens(a8, dp=8)
+    assert hardware.memory_per_gpu(a8, int(fit), 8)["memory_gib"] * 2**30 == pytest.approx(hardware.HBM_BYTES, rel=1e-4)
+    assert baselines.wlb_cap(a8, 32768, 8) == hardware.WLB_TOKEN_CAP  # plenty of room
+    assert baselines.wlb_cap(a8, int(fit / 1.5), 8) == pytest.approx(1.5, rel=1e-4)
     # 34B at 512K needs full recomputation: the cap is what fits under it.
-    fit_full = simulate.fit_tokens(a34, 8, recompute="full")
-    assert simulate.wlb_cap(a34, 524288, 8) == pytest.approx(min(2.0, fit_full / 524288)) and fit_full > 524288
-    assert simulate.wlb_cap(a34, 4 << 20, 8) == 1.0  # does not fit even at the fixed budget
+    fit_full = hardware.fit_tokens(a34, 8, recompute="full")
+    assert baselines.wlb_cap(a34, 524288, 8) == pytest.approx(min(2.0, fit_full / 524288)) and fit_full > 524288
+    assert baselines.wlb_cap(a34, 4 << 20, 8) == 1.0  # does not fit even at the fixed budget
 
 
 def test_wlb_ideal_microbatches_repack_every_document_into_balanced_bins():
     """4D WLB-ideal: every real document of the M micro-batches lands in exactly one (micro-batch,
     replica) bin; when one micro-batch holds all the long documents, repacking balances the bins' work
     (linear + attention, forward + backward) far better than wlb_cp, which keeps the batches as sampled."""
-    arch, shape = simulate.ARCHS["llama3-8b"], MODEL_SHAPES["llama3-8b"]
+    arch, shape = hardware.ARCHS["llama3-8b"], MODEL_SHAPES["llama3-8b"]
     cm = load_cost_model("h200").for_shape(shape)
-    hw = simulate.Hardware()
+    hw = hardware.Hardware()
     M, DP, T, c = 4, 4, 16384, 2
     long = Layout.from_doclens([T] * DP, DP, T)
     short = [Layout.from_doclens([1024] * (DP * T // 1024), DP, T) for _ in range(M - 1)]
     mbs = [long, *short]
-    w = simulate.wlb_ideal_microbatches(mbs, c, arch, T, simulate.wlb_cap(arch, T, DP, 2, 2, hw), shape, cm, hw)
+    w = baselines.wlb_ideal_microbatches(mbs, c, arch, T, baselines.wlb_cap(arch, T, DP, 2, 2, hw), shape, cm, hw)
     assert len(w.costs) == M and all(len(x.attn_fwd) == DP for x in w.costs)
     assert w.tokens.sum() == M * DP * T and np.all(w.tokens[:, ::c] == w.tokens[:, 1::c])
-    lin = np.vectorize(lambda n: 3 * simulate.linear_fwd_s(arch, int(n), hw))
+    lin = np.vectorize(lambda n: 3 * hardware.linear_fwd_s(arch, int(n), hw))
     work = lambda attn, tok: (lin(tok) + (1 + cm.bwd_factor) * attn).reshape(-1, c).max(axis=1)  # noqa: E731
     ideal = np.array([work(x.attn_fwd, w.tokens[m]) for m, x in enumerate(w.costs)])  # [M, replicas]
-    fixed = np.array([work(simulate.wlb_cp(lay, c, shape, cm).loads / simulate.TP, np.full(DP, T)) for lay in mbs])
+    fixed = np.array([work(baselines.wlb_cp(lay, c, shape, cm).loads / hardware.TP, np.full(DP, T)) for lay in mbs])
     assert ideal.max() / ideal.mean() < 1.02 and fixed.max() / fixed.mean() > 1.2
 
 
@@ -529,15 +522,15 @@ def test_pp_paper_table_compares_each_side_at_its_best_p(tmp_path):
             "--seeds", "3", "--policy", "distca", "--policy", "wlb_ideal", "--json", "--out", str(tmp_path)]  # fmt: skip
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert simulate.main([*args, "--jobs", "2"]) == 0
+        assert cli.main([*args, "--jobs", "2"]) == 0
     rows = [json.loads(line) for line in buf.getvalue().splitlines() if line.strip()]
     assert {r["pp"] for r in rows} == {2, 4}
     d = min((r for r in rows if r["policy"] == "distca" and r["pingpong"]), key=lambda r: r["step_s"])
     w = min((r for r in rows if r["policy"] == "wlb_ideal" and not r["pingpong"]), key=lambda r: r["step_s"])
-    lo, hi = simulate._ratio_ci95(w["step_s_seeds"], d["step_s_seeds"])
-    line = simulate.pp_paper_table(rows).splitlines()[2]
+    lo, hi = sweep._ratio_ci95(w["step_s_seeds"], d["step_s_seeds"])
+    line = report.pp_paper_table(rows).splitlines()[2]
     assert f"{w['step_s'] / d['step_s']:.2f} [{lo:.2f}, {hi:.2f}]" in line and line.startswith("llama3-8b  pretrain")
-    assert all(r["max_tokens_ratio"] <= simulate.WLB_TOKEN_CAP for r in rows if r["policy"] == "wlb_ideal")
+    assert all(r["max_tokens_ratio"] <= hardware.WLB_TOKEN_CAP for r in rows if r["policy"] == "wlb_ideal")
     assert (tmp_path / "speedup_pp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -546,19 +539,19 @@ def test_pp_memory_follows_each_schedule(quick_pp, quick_pp_gpipe):
     GPipe ticks all M, a Megatron 1F1B baseline min(M, P-s): at 8B, 128K, P = 4, M = 8 the GPipe tick
     policies need full recomputation, the 1F1B ones and the baselines do not; each row's recomputation is
     the cheapest its own schedule's worst stage fits with."""
-    a8 = simulate.ARCHS["llama3-8b"]
+    a8 = hardware.ARCHS["llama3-8b"]
     for rows, sched in ((quick_pp, "1f1b"), (quick_pp_gpipe, "gpipe")):
         for r in rows:
-            tick = r["policy"] in simulate.TICK_POLICIES
+            tick = r["policy"] in pipeline.TICK_POLICIES
             want = ([7, 5, 3, 1] if sched == "1f1b" else [8] * 4) if tick else [4, 3, 2, 1]
             assert r["in_flight_per_stage"] == want and r["in_flight"] == max(want)
             if r["policy"] != "wlb_ideal":
-                assert r["recompute"] == simulate.recompute_mode(a8, 131072, r["dp"], 4, r["in_flight"])
+                assert r["recompute"] == hardware.recompute_mode(a8, 131072, r["dp"], 4, r["in_flight"])
             assert r["recompute"] == ("full" if tick and sched == "gpipe" else "selective") and r["fits_memory"]
     # Where GPipe ticks force full recomputation, 1F1B ticks (selective) are faster for the same policy.
     gp = {(r["doclens"], r["gpus"], r["policy"], r["pingpong"]): r for r in quick_pp_gpipe}
     for r in quick_pp:
-        if r["policy"] in simulate.TICK_POLICIES:
+        if r["policy"] in pipeline.TICK_POLICIES:
             assert r["step_s"] < gp[(r["doclens"], r["gpus"], r["policy"], r["pingpong"])]["step_s"]
 
 
@@ -568,7 +561,7 @@ def test_pp_memory_follows_each_schedule(quick_pp, quick_pp_gpipe):
 def test_cli_rejects_bad_model_knobs_in_both_modes(bad, mode):
     err = io.StringIO()
     with pytest.raises(SystemExit), contextlib.redirect_stderr(err):
-        simulate.main([*mode, *bad, "--quick", "--no-plot"])
+        cli.main([*mode, *bad, "--quick", "--no-plot"])
     assert bad[0] in err.getvalue()
 
 
@@ -578,8 +571,8 @@ def test_cli_rejects_bad_model_knobs_in_both_modes(bad, mode):
 def _table(schedule, P, M):
     """Per tick (1F1B) or sub-tick (GPipe), per stage: (forward micro-batch, backward micro-batch)."""
     if schedule == "1f1b":
-        return [list(zip(*simulate.tick1f1b_microbatches(k, P, M))) for k in range(M + 2 * P - 2)]
-    return [[(m, None) if d == "F" else (None, m) for m in a] for d, a in simulate.pp_subticks("gpipe", P, M)]
+        return [list(zip(*pipeline.tick1f1b_microbatches(k, P, M))) for k in range(M + 2 * P - 2)]
+    return [[(m, None) if d == "F" else (None, m) for m in a] for d, a in pipeline.pp_subticks("gpipe", P, M)]
 
 
 def test_tick1f1b_order_for_four_microbatches_on_two_stages():
@@ -598,8 +591,8 @@ def test_tick1f1b_order_for_four_microbatches_on_two_stages():
         [(0, n), (n, n)], [(1, n), (0, n)], [(2, n), (1, n)], [(3, n), (2, n)], [(n, n), (3, n)],
         [(n, n), (n, 3)], [(n, 3), (n, 2)], [(n, 2), (n, 1)], [(n, 1), (n, 0)], [(n, 0), (n, n)],
     ]  # fmt: skip
-    assert [d for d, _ in simulate.pp_subticks("1f1b", 2, 4)] == list("FFBFBFBFBB")
-    assert simulate.pp_p2p_transfers("1f1b", 2, 4) == 5 and simulate.pp_p2p_transfers("gpipe", 2, 4) == 8
+    assert [d for d, _ in pipeline.pp_subticks("1f1b", 2, 4)] == list("FFBFBFBFBB")
+    assert pipeline.pp_p2p_transfers("1f1b", 2, 4) == 5 and pipeline.pp_p2p_transfers("gpipe", 2, 4) == 8
 
 
 @pytest.mark.parametrize("P,M", [(1, 3), (2, 4), (3, 2), (4, 8), (4, 16), (8, 16), (5, 3)])
@@ -607,8 +600,8 @@ def test_tick1f1b_runs_every_pass_once_in_dependency_order_and_holds_2p_minus_1(
     """Every (stage, micro-batch) runs its forward and backward once, each after what it needs (the previous
     stage's forward, the next stage's backward, in an earlier sub-tick; the last stage's own forward); the
     activations live on stage s peak at min(M, 2(P-s)-1) (GPipe: M), bubble as GPipe's."""
-    for sched in simulate.PP_SCHEDULES:
-        subs = simulate.pp_subticks(sched, P, M)
+    for sched in pipeline.PP_SCHEDULES:
+        subs = pipeline.pp_subticks(sched, P, M)
         assert sum(d == "F" for d, _ in subs) == sum(d == "B" for d, _ in subs) == M + P - 1
         done, live, peak = {}, [set() for _ in range(P)], [0] * P
         for i, (d, assign) in enumerate(subs):
@@ -625,10 +618,10 @@ def test_tick1f1b_runs_every_pass_once_in_dependency_order_and_holds_2p_minus_1(
                 done[(d, s, m)] = i
             peak = [max(p, len(x)) for p, x in zip(peak, live)]
         assert len(done) == 2 * P * M
-        assert peak == simulate.in_flight_per_stage(sched, P, M)
+        assert peak == pipeline.in_flight_per_stage(sched, P, M)
         if sched == "1f1b":
             assert peak == [min(M, 2 * (P - s) - 1) for s in range(P)]
-    assert simulate.in_flight_per_stage("1f1b", P, M, cad=False) == [min(M, P - s) for s in range(P)]
+    assert pipeline.in_flight_per_stage("1f1b", P, M, cad=False) == [min(M, P - s) for s in range(P)]
 
 
 @pytest.mark.parametrize("P,M", [(2, 4), (4, 8), (3, 7)])
@@ -637,19 +630,19 @@ def test_megatron_1f1b_graph_order_and_critical_path(P, M):
     every dependency; with equal stage times and no P2P its critical path is GPipe's (M+P-1)(f+b), and
     on random times it is never shorter than the longest stage's own work."""
     for s in range(P):
-        order, live, peak = simulate.stage_order("1f1b", P, M, s), set(), 0
+        order, live, peak = pipeline.stage_order("1f1b", P, M, s), set(), 0
         for d, m in order:
             live.add(m) if d == "F" else live.discard(m)
             peak = max(peak, len(live))
         assert peak == min(M, P - s) and sorted(order) == sorted([(d, m) for d in "FB" for m in range(M)])
     f = np.full((1, P, M), 2.0)
-    for sched in simulate.PP_SCHEDULES:
-        assert simulate.pipeline_time(f, 2 * f, 0.0, sched)[0] == pytest.approx((M + P - 1) * 6.0)
+    for sched in pipeline.PP_SCHEDULES:
+        assert pipeline.pipeline_time(f, 2 * f, 0.0, sched)[0] == pytest.approx((M + P - 1) * 6.0)
         # Each P2P on the path is exposed: at least the first forward's and the last backward's chain.
-        assert simulate.pipeline_time(f, 2 * f, 0.5, sched)[0] >= (M + P - 1) * 6.0 + 2 * (P - 1) * 0.5 - 1e-9
+        assert pipeline.pipeline_time(f, 2 * f, 0.5, sched)[0] >= (M + P - 1) * 6.0 + 2 * (P - 1) * 0.5 - 1e-9
     rng = np.random.default_rng(3)
     f, b = rng.exponential(1.0, (2, 4, P, M))
-    t = simulate.pipeline_time(f, b, 0.1, "1f1b")
+    t = pipeline.pipeline_time(f, b, 0.1, "1f1b")
     assert np.all(t >= (f + b).sum(axis=2).max(axis=1) - 1e-9)
 
 
@@ -660,7 +653,7 @@ def _stage_costs(per_mb, assign, DP):
     parts = [per_mb[m] if m is not None else (z,) * 5 for m in assign]
     cat = [np.concatenate([p[k] for p in parts]) for k in range(5)]
     R = len(assign) * DP
-    return simulate.RankCosts(*cat, np.zeros(R, np.int64), np.zeros(R))
+    return step.RankCosts(*cat, np.zeros(R, np.int64), np.zeros(R))
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])
@@ -674,14 +667,14 @@ def test_1f1b_step_never_slower_than_gpipe_with_the_same_plans(recompute):
         DP, layers, lin = 2, 4, 0.05
         per_mb = [tuple(rng.exponential(0.02, DP) for _ in range(5)) for _ in range(M)]
         sub = [(d, _stage_costs(per_mb, a, DP), np.repeat([m is not None for m in a], DP))
-               for d, a in simulate.pp_subticks("1f1b", P, M)]  # fmt: skip
+               for d, a in pipeline.pp_subticks("1f1b", P, M)]  # fmt: skip
         ticks = [(_stage_costs(per_mb, a, DP), np.repeat([m is not None for m in a], DP))
-                 for _, a in simulate.pp_subticks("gpipe", P, M)[: M + P - 1]]  # fmt: skip
+                 for _, a in pipeline.pp_subticks("gpipe", P, M)[: M + P - 1]]  # fmt: skip
         for pingpong in (False, True):
             for p2p in (0.0, 0.01):
-                one = simulate.pp_subtick_step(sub, P, layers, lin, 0.0, 2.5, pingpong, p2p,
-                                               simulate.pp_p2p_transfers("1f1b", P, M), (1e-3, 2e-3), recompute)
-                gp = simulate.pp_tick_step(ticks, P, layers, lin, 0.0, 2.5, pingpong, p2p, (1e-3, 2e-3), recompute)
+                one = pipeline.pp_subtick_step(sub, P, layers, lin, 0.0, 2.5, pingpong, p2p,
+                                               pipeline.pp_p2p_transfers("1f1b", P, M), (1e-3, 2e-3), recompute)
+                gp = pipeline.pp_tick_step(ticks, P, layers, lin, 0.0, 2.5, pingpong, p2p, (1e-3, 2e-3), recompute)
                 if p2p == 0:
                     assert one.step_s == pytest.approx(gp.step_s)
                     assert one.idle_frac == pytest.approx(gp.idle_frac)
@@ -697,14 +690,14 @@ def test_tick1f1b_step_without_attention_is_the_bubble():
     P, M, DP, layers, lin = 4, 6, 2, 3, 0.5
     R = P * DP
     z = np.zeros(R)
-    sub = [(d, simulate.RankCosts(z, z, z, z, z, np.zeros(R, np.int64), z), np.repeat([m is not None for m in a], DP))
-           for d, a in simulate.pp_subticks("1f1b", P, M)]  # fmt: skip
+    sub = [(d, step.RankCosts(z, z, z, z, z, np.zeros(R, np.int64), z), np.repeat([m is not None for m in a], DP))
+           for d, a in pipeline.pp_subticks("1f1b", P, M)]  # fmt: skip
     for pingpong in (False, True):
-        st = simulate.pp_subtick_step(sub, P, layers, lin, 0.0, 2.0, pingpong, 0.0, 0)
+        st = pipeline.pp_subtick_step(sub, P, layers, lin, 0.0, 2.0, pingpong, 0.0, 0)
         assert st.step_s == pytest.approx(3 * layers * lin * (M + P - 1))
-        assert st.idle_frac == pytest.approx(simulate.bubble_fraction(P, M))
+        assert st.idle_frac == pytest.approx(pipeline.bubble_fraction(P, M))
         assert st.bound_s == pytest.approx(st.step_s)
-        st = simulate.pp_subtick_step(sub, P, layers, lin, 0.0, 2.0, pingpong, 0.25, M + 2 * P - 3)
+        st = pipeline.pp_subtick_step(sub, P, layers, lin, 0.0, 2.0, pingpong, 0.25, M + 2 * P - 3)
         assert st.step_s == pytest.approx(3 * layers * lin * (M + P - 1) + 0.25 * (M + 2 * P - 3))
 
 
@@ -715,11 +708,11 @@ def test_phase_pair_is_pingpong_over_two_plans():
     for _ in range(50):
         lin, attn, disp, ret, ld, lr = rng.exponential(1.0, 6)
         h = 0.5
-        pair = simulate._phase_pair((h * lin, h * lin), (h * attn, h * attn), (h * disp, h * disp),
+        pair = step._phase_pair((h * lin, h * lin), (h * attn, h * attn), (h * disp, h * disp),
                                     (h * ret, h * ret), ((ld, lr), (ld, lr)))  # fmt: skip
-        assert pair == pytest.approx(simulate._phase(lin, attn, disp, ret, True, (ld, lr)))
+        assert pair == pytest.approx(step._phase(lin, attn, disp, ret, True, (ld, lr)))
         la, lb, aa, ab, da, db, ra, rb = rng.exponential(1.0, 8)
-        x = simulate._phase_pair((la, lb), (aa, ab), (da, db), (ra, rb), ((0.0, 0.0), (0.0, 0.0)))
+        x = step._phase_pair((la, lb), (aa, ab), (da, db), (ra, rb), ((0.0, 0.0), (0.0, 0.0)))
         assert max(la + lb + aa + ab, da + db + ra + rb) - 1e-12 <= x <= la + lb + aa + ab + da + db + ra + rb + 1e-12
 
 
@@ -734,10 +727,10 @@ def test_nano_batch_tick_layouts_carry_exactly_the_microbatches_attention():
     nanos = [split_nano_batches(lay, "stream") for lay in mbs]
     shape = MODEL_SHAPES["llama3-8b"]
     for k in (2, 4, 7):  # backward sub-ticks: the first (last stage only), a steady one, the last (stage 0 only)
-        _, assign = simulate.tick1f1b_microbatches(k, P, M)
-        whole, active = simulate.tick_layout(mbs, k, P, assign)
-        n0, a0 = simulate.stage_layout([None if m is None else nanos[m][0] for m in assign], DP, T // 2)
-        n1, a1 = simulate.stage_layout([None if m is None else nanos[m][1] for m in assign], DP, T // 2)
+        _, assign = pipeline.tick1f1b_microbatches(k, P, M)
+        whole, active = pipeline.tick_layout(mbs, k, P, assign)
+        n0, a0 = pipeline.stage_layout([None if m is None else nanos[m][0] for m in assign], DP, T // 2)
+        n1, a1 = pipeline.stage_layout([None if m is None else nanos[m][1] for m in assign], DP, T // 2)
         assert np.array_equal(active, a0) and np.array_equal(active, a1)
         assert active.sum() == DP * sum(m is not None for m in assign)
         pairs = [plan(x, "distca", shape=shape, cost_model="h200").pairs.sum() for x in (whole, n0, n1)]
@@ -749,6 +742,6 @@ def test_pp_schedule_gpipe_keeps_the_old_tick_model(quick_pp_gpipe):
     """--pp-schedule gpipe: the tick policies run GPipe ticks (one plan per tick), the baselines the GPipe
     graph, and the rows say so."""
     for r in quick_pp_gpipe:
-        tick = r["policy"] in simulate.TICK_POLICIES
+        tick = r["policy"] in pipeline.TICK_POLICIES
         assert r["schedule"] == ("tick_gpipe" if tick else "gpipe") and r["settings"]["pp_schedule"] == "gpipe"
         assert r["p2p_transfers"] == (2 * (8 + 4 - 2) if tick else None)
