@@ -677,3 +677,13 @@ def test_capacity_mib_reaches_the_planner_and_a_too_small_one_fails_everywhere()
     for none, cap, err in run_workers(_capacity_worker, 2, timeout=60):
         assert none is None and cap == 16 << 20
         assert "capacity_bytes=104 is below what rank" in err or "another rank" in err, err
+
+
+def test_auto_cost_model_prices_bytes_on_gpus():
+    from distca import load_cost_model
+    from torchtitan_ext.config import GPU_COST_MODEL, CoreAttention, cost_model_name
+
+    assert cost_model_name(CoreAttention(), cuda=False) == "cpu"
+    assert cost_model_name(CoreAttention(), cuda=True) == GPU_COST_MODEL
+    assert cost_model_name(CoreAttention(cost_model="h200"), cuda=True) == "h200"
+    assert load_cost_model(GPU_COST_MODEL).has_network  # the GPU default prices bytes

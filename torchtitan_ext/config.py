@@ -83,8 +83,9 @@ class CoreAttention:
     needs on top of its own tokens. -1: no bound."""
 
     cost_model: str = "auto"
-    """Planner time model: "cpu", "h200", a path to a JSON cost model, or "auto"
-    ("h200" when CUDA is available, else "cpu")."""
+    """Planner time model: "cpu", "h200", "h200+hgx_h200" (H200 kernels with the HGX H200
+    network model: the planner pays for bytes), a path to a JSON cost model, or "auto"
+    ("h200+hgx_h200" when CUDA is available, else "cpu"; see :func:`cost_model_name`)."""
 
     placement: PlacementName = "none"
     """Document placement before planning: "none" keeps the stream's packing order; "balance"
@@ -101,6 +102,20 @@ class JobConfig:
     """Merged into torchtitan's JobConfig by ``ConfigManager`` (custom_config_module)."""
 
     core_attention: CoreAttention = field(default_factory=CoreAttention)
+
+
+GPU_COST_MODEL = "h200+hgx_h200"
+"""``cost_model = "auto"`` on a CUDA machine: the H200 kernel model with the HGX H200 network
+model (``distca/data/network_hgx_h200.json``), so a move that would expose more transfer time than
+it saves in attention is not made. On CPU bytes already have a price (``cost_cpu.json``'s
+``link_byte_s``, measured on gloo)."""
+
+
+def cost_model_name(cfg: CoreAttention, cuda: bool) -> str:
+    """The stored cost model ``cfg.cost_model`` names ("auto" resolved for this machine)."""
+    if cfg.cost_model != "auto":
+        return cfg.cost_model
+    return GPU_COST_MODEL if cuda else "cpu"
 
 
 def _check_types(cfg: CoreAttention) -> None:

@@ -41,7 +41,7 @@ from torch import nn
 
 from distca.cost import ModelShape, load_cost_model
 from torchtitan_ext.ca_mesh import _dp_size, build_ca_mesh
-from torchtitan_ext.config import nano_batches, validate_job
+from torchtitan_ext.config import cost_model_name, nano_batches, validate_job
 from torchtitan_ext.layers import (
     CoreAttentionModule, _attention_forward, _nano_block_forward, _post_attention, _pre_attention,
 )
@@ -87,9 +87,7 @@ class CoreAttentionConverter:
                 f'"{job_config.activation_checkpoint.mode}" (recomputed forwards would leave server '
                 'tensors stashed); use mode="resend" or activation_checkpoint.mode="none"'
             )
-        name = cfg.cost_model
-        if name == "auto":
-            name = "h200" if torch.cuda.is_available() else "cpu"
+        name = cost_model_name(cfg, torch.cuda.is_available())
         n_nano = nano_batches(cfg)
         if n_nano > 1 and job_config.training.seq_len % n_nano:
             raise ValueError(

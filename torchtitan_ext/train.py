@@ -36,7 +36,7 @@ from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.train import Trainer, main  # noqa: E402
 
 from torchtitan_ext import data, pipeline, report  # noqa: E402
-from torchtitan_ext.config import nano_batches, validate_job  # noqa: E402
+from torchtitan_ext.config import cost_model_name, nano_batches, validate_job  # noqa: E402
 from torchtitan_ext.converter import planner_of  # noqa: E402
 from torchtitan_ext.planning import StepPlan  # noqa: E402
 from torchtitan_ext.data import pop_layout  # noqa: E402
@@ -86,9 +86,7 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **
 def _planner_model(job_config) -> tuple[str, distca.ModelShape]:
     """The cost model name and attention shape the converter gives the planner
     (:class:`torchtitan_ext.converter.CoreAttentionConverter`), for the loader's placement."""
-    name = job_config.core_attention.cost_model
-    if name == "auto":
-        name = "h200" if torch.cuda.is_available() else "cpu"
+    name = cost_model_name(job_config.core_attention, torch.cuda.is_available())
     args = ts.get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
     tp = job_config.parallelism.tensor_parallel_degree
     n_kv = args.n_kv_heads or args.n_heads
