@@ -36,7 +36,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_planner.py --doclens prolong --ranks 512 --tokens-per-rank 131072
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -11,6 +11,12 @@ configuration, so every configuration trains on the same batches in the same pro
     distca_pingpong     our planner, ping-pong (exchanges overlap the other nano-batch)
     per_doc_cp          per-document head-tail context parallelism (ping-pong with 2 nano-batches)
     distca_pingpong_keep   as distca_pingpong with servers keeping Q/K/V for backward
+    pack                ``colocated`` plans after document placement (``distca.place``): each
+                        step's documents reordered over the ranks so that attention work is
+                        as even as whole documents allow; nothing moves but the KV prefixes of
+                        documents cut at a rank boundary (ping-pong with 2 nano-batches)
+    distca_pingpong_placed  placement, then our planner with ping-pong (``distca_placed`` with
+                        ``--nano-batches 1``)
 
 Workloads (documents never cross a rank's row, so "off" is plain packing). With two
 nano-batches each rank's row is split in halves (``distca.split_nano_batches(..., "rows")``):
@@ -60,10 +66,15 @@ CONFIGS: dict[str, dict] = {
     "per_doc_cp": dict(policy="per_doc_cp", pingpong=None, mode="resend"),  # None: ping-pong iff 2 nano-batches
     "distca_pingpong_keep": dict(policy="distca", pingpong=True, mode="keep"),
     "distca_keep": dict(policy="distca", pingpong=False, mode="keep"),
+    "pack": dict(policy="colocated", pingpong=None, mode="resend", placement="balance"),
+    "distca_pingpong_placed": dict(policy="distca", pingpong=True, mode="resend", placement="balance"),
+    "distca_placed": dict(policy="distca", pingpong=False, mode="resend", placement="balance"),
 }
+"""Each configuration's ``[core_attention]`` settings; ``placement`` is applied by the bench's own
+loader (``torchtitan_ext.data.place_windows``, as the CA loader does for ``placement = "balance"``)."""
 DEFAULT_CONFIGS = {
-    2: ["off", "distca", "distca_pingpong", "per_doc_cp", "distca_pingpong_keep"],
-    1: ["off", "distca", "per_doc_cp", "distca_keep"],
+    2: ["off", "distca", "distca_pingpong", "per_doc_cp", "distca_pingpong_keep", "pack", "distca_pingpong_placed"],
+    1: ["off", "distca", "per_doc_cp", "distca_keep", "pack", "distca_placed"],
 }
 HEADLINE = "distca_pingpong"
 WORKLOADS = ("skewed", "prolong", "uniform")
@@ -113,6 +124,13 @@ def rank_docs(workload: str, ranks: int, t: int, batch: int, seed: int = 0) -> l
     return rows
 
 
+def config_at(index: int, configs: list[str]) -> str:
+    """The configuration of the trainer's ``index``-th step (0-based): one cycle through
+    ``configs`` per batch, rotated per cycle so no configuration always goes first."""
+    cycle, pos = divmod(index, len(configs))
+    return configs[(pos + cycle) % len(configs)]
+
+
 def _cu(docs: list[list[int]]) -> list[int]:
     return np.concatenate([[0], np.cumsum([d for row in docs for d in row])]).astype(int).tolist()
 
@@ -155,6 +173,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     import distca
     import distca.kernels as K
+    from torchtitan_ext import data as ttd
     from torchtitan_ext import train as tt
 
     configs = args.configs.split(",")
@@ -164,8 +183,9 @@ def _worker(args: argparse.Namespace) -> None:
     class Workload(IterableDataset):
         """Step s trains batch (s-1) // len(configs), so every configuration sees the same batches."""
 
-        def __init__(self, rank, ranks, T, vocab):
+        def __init__(self, rank, ranks, T, vocab, planner_model):
             self.rank, self.ranks, self.T, self.vocab = rank, ranks, T, vocab
+            self.cost_model, self.shape = planner_model
 
         def __iter__(self):
             R, T, step = self.ranks, self.T, 0
@@ -177,6 +197,18 @@ def _worker(args: argparse.Namespace) -> None:
                 pos = torch.cat([torch.arange(n) for row in docs for n in row])
                 lab = torch.roll(toks, -1)
                 lab[torch.tensor(cu[1:]) - 1] = -100  # no label across documents
+                if CONFIGS[config_at(step, configs)].get("placement") == "balance":
+                    # The same documents reordered over the ranks, then sliced for this rank, as
+                    # the CA loader does with placement = "balance" (with 2 nano-batches: slots of
+                    # T/2 in stream order, nano-batch n the n-th half of the group's stream).
+                    w = ttd.GroupWindow(toks, lab, pos, torch.tensor(cu), None)
+                    (w,) = ttd.place_windows(
+                        [w], R, T, nano_batches=args.nano_batches, cost_model=self.cost_model, shape=self.shape
+                    ).windows
+                    one = ttd.rank_batch if args.nano_batches == 1 else ttd.nano_rank_batch
+                    yield one(w, self.rank, T)
+                    step += 1
+                    continue
                 sl = slice(self.rank * T, (self.rank + 1) * T)
                 inputs = {"input": toks[sl][None], "positions": pos[sl][None], "cu_seqlens": torch.tensor(cu)}
                 if args.nano_batches == 2:
@@ -190,7 +222,7 @@ def _worker(args: argparse.Namespace) -> None:
                 step += 1
 
     def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, **kw):
-        ds = Workload(dp_rank, dp_world_size, job_config.training.seq_len, VOCAB)
+        ds = Workload(dp_rank, dp_world_size, job_config.training.seq_len, VOCAB, tt._planner_model(job_config))
         return ParallelAwareDataloader(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=None)
 
     # Time the attention kernels (the servers' work) without touching the library.
@@ -230,10 +262,10 @@ def _worker(args: argparse.Namespace) -> None:
     class BenchTrainer(tt.CoreAttentionTrainer):
         def _configure(self) -> str:
             """Set this step's configuration before its batch is drawn (and planned)."""
-            cycle, pos = divmod(self.step - 1, len(configs))
-            name = configs[(pos + cycle) % len(configs)]  # rotated per cycle: no config always goes first
+            name = config_at(self.step - 1, configs)
             for k, v in CONFIGS[name].items():
-                setattr(self.ca.cfg, k, (args.nano_batches == 2) if v is None else v)
+                if k != "placement":  # the bench's loader places (see Workload)
+                    setattr(self.ca.cfg, k, (args.nano_batches == 2) if v is None else v)
             return name
 
         def post_dataloading_process(self, input_dict, labels):
@@ -370,6 +402,7 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
             attn = [r["attn_fwd_s"] + r["attn_bwd_s"] for r in by[("off", b)]]
             bound.append(step_s("off", b) / (step_s("off", b) - max(attn) + statistics.mean(attn)))
     headline = next((c for c in (HEADLINE, "distca") if c in per), configs[-1])
+    placed = next((c for c in ("distca_pingpong_placed", "distca_placed") if c in per), None)
     keep = next((c for c in ("distca_pingpong_keep", "distca_keep") if c in per), None)
     head = per[headline].get("speedup_vs_off") or [float("nan")] * 3
     loads0 = per[configs[0]]["modelled_loads_colocated"]
@@ -392,6 +425,8 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
         # (activations, server buffers, temporaries), max/mean across ranks.
         "mem_ratio_resend": per[headline]["step_peak_ratio"],
         "mem_ratio_keep": per[keep]["step_peak_ratio"] if keep else None,
+        "placed_config": placed,
+        "imbalance_placed": (lambda x: max(x) / statistics.mean(x))(per[placed]["modelled_loads_colocated"]) if placed else None,
         "configs": per,
     }
 
@@ -506,12 +541,12 @@ def main(argv: list[str] | None = None) -> None:
                       f"step peak memory max/mean: resend {s['mem_ratio_resend'] or float('nan'):.3f}, "
                       f"keep {s['mem_ratio_keep'] or float('nan'):.3f}")  # fmt: skip
                 print(f"  {'config':22} {'tok/s':>8} {'speedup (min/med/max)':>24} {'attn s/rank':>18} "
-                      f"{'exposed s':>10} {'step peak MiB/rank':>22}")  # fmt: skip
+                      f"{'exposed s':>10} {'fwd MiB/layer':>14} {'step peak MiB/rank':>22}")  # fmt: skip
                 for c, v in s["configs"].items():
                     sp = "/".join(f"{x:.2f}" for x in v["speedup_vs_off"])
                     print(f"  {c:22} {v['tokens_per_s_median']:8.0f} {sp:>24} "
                           f"{'/'.join(f'{x:.2f}' for x in v['attention_s_per_rank']):>18} "
-                          f"{max(v['exposed_comm_s_per_rank']):10.3f} "
+                          f"{max(v['exposed_comm_s_per_rank']):10.3f} {v['fwd_MiB_per_layer']:14.2f} "
                           f"{'/'.join(f'{x:.0f}' for x in v['step_peak_MiB_per_rank']):>22}")  # fmt: skip
                 print(f"  PNG: {s.get('png', s.get('png_error'))}")
 

@@ -73,7 +73,7 @@ def test_json_contract_end_to_end(tmp_path):
     """One real (tiny) launch: torchtitan trainer, 2 gloo processes, configs cycled per step."""
     cmd = [
         sys.executable, "scripts/bench_train.py", "--models", "debug", "--workloads", "skewed", "--tokens-per-rank",
-        "2048", "--repeats", "1", "--configs", "off", "distca", "--json", "--out", str(tmp_path),
+        "2048", "--repeats", "1", "--configs", "off", "distca", "pack", "--json", "--out", str(tmp_path),
     ]  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -89,3 +89,15 @@ def test_json_contract_end_to_end(tmp_path):
     # Sequential nano-batches expose their exchanges; the colocated baseline has none to expose.
     assert max(s["configs"]["off"]["exposed_comm_s_per_rank"]) == 0.0
     assert max(s["configs"]["distca"]["exposed_comm_s_per_rank"]) > 0.0
+    # pack places the step's documents first: rank 0's long document now spans both ranks'
+    # first nano-batch, so colocated planning alone is less imbalanced than off's.
+    imb = {c: max(v) / np.mean(v) for c, v in ((c, s["configs"][c]["modelled_loads_colocated"]) for c in ("off", "pack"))}
+    assert imb["pack"] < imb["off"]
+
+
+def test_config_rotation_visits_every_config_once_per_batch():
+    configs = ["off", "distca", "pack"]
+    for batch in range(4):
+        got = [bt.config_at(batch * 3 + k, configs) for k in range(3)]
+        assert sorted(got) == sorted(configs)
+    assert bt.config_at(0, configs) != bt.config_at(3, configs)  # rotated: not always first
