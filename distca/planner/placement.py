@@ -6,8 +6,9 @@ global batch, and attention never crosses documents. :func:`place` uses that fre
 every slot of ``T`` tokens about the same modelled attention work, so that core-attention
 disaggregation only has to move the residual (documents that alone hold more than a slot's
 share), with fewer bytes. Every slot still holds exactly ``T`` tokens; documents move whole,
-and are cut only where a rank boundary must fall inside one (a document longer than a slot, or
-the last one to fill a slot), which CAD computes exactly as it does for the loader's own cuts.
+and are cut only at rank boundaries, at most one per boundary (a document longer than a slot,
+one too heavy to balance whole, one that fits no slot whole, or the last one to fill a slot),
+which CAD computes exactly as it does for the loader's own cuts.
 
 Pure numpy, deterministic (stable sorts, no randomness): every rank that calls :func:`place`
 with the same arguments gets the same order.
@@ -232,12 +233,16 @@ def _place(lens, work, mb_of, R, T, M, cm, cross: bool) -> list[np.ndarray] | No
 
 
 def _split_heavy(short, lens, work, mean, R, T, M, cap, base, cm) -> dict[int, tuple[int, int]]:
-    """Cut the heaviest documents that fit in a slot (work above ``SPLIT`` x the mean slot work)
-    across the boundary of two slots that hold nothing yet: the head ends slot ``s``, the tail
-    starts slot ``s + 1``, cut where each piece holds half the document's work. Whole, such a
-    document leaves its slot's other ``T - l`` tokens too little work to take (even the lightest
-    documents would overfill it); halved, it does not. Pairs never share a slot, so no slot
-    holds more than one such piece. Updates ``cap`` and ``base``; returns {s: (doc, head)}."""
+    """Cut the documents that fit in a slot but not in a balanced one across the boundary of two
+    slots that hold nothing yet: the head ends slot ``s``, the tail starts slot ``s + 1``.
+
+    A candidate (work above ``SPLIT`` x the mean slot work) is cut when its work plus the rest of
+    its slot filled with the lightest documents there are would still be more than
+    ``SPLIT_SLACK`` above the mean. The head is the shortest that keeps the tail's slot at the
+    mean when the rest of it takes documents of average weight (a shorter head moves less KV to
+    the tail's rank), and at most the one that halves the document's work. Heaviest first, as
+    many as there are free pairs; pairs never share a slot, so no slot holds more than one such
+    piece. Updates ``cap`` and ``base``; returns {s: (doc, head tokens)}."""
     if R < 2 or not short.size:
         return {}
     # The lightest a slot holding document d whole can end up: d plus its other T - l_d tokens
@@ -274,9 +279,8 @@ def _split_heavy(short, lens, work, mean, R, T, M, cap, base, cm) -> dict[int, t
         pairs = [pairs[i] for i in np.linspace(0, len(pairs) - 1, n).round().astype(np.int64).tolist()]
     docs = heavy[:n]
     L = lens[docs]
-    # The head: as short as lets the tail's slot end within the slack of the mean when the rest
-    # of it takes the lightest documents (a shorter head moves less KV to the tail's rank), but
-    # never past half the document's work. Both by bisection (monotone in the head's length).
+    # Both heads by bisection (work is monotone in the head's length): the one that halves the
+    # document's work, and the shortest that keeps the tail's slot at the mean.
     zero = np.zeros_like(L)
     lo, hi = np.ones_like(L), L.copy()
     half = work[docs] / 2
@@ -286,10 +290,9 @@ def _split_heavy(short, lens, work, mean, R, T, M, cap, base, cm) -> dict[int, t
         lo, hi = np.where(low, mid, lo), np.where(low, hi, mid)
     a_half = lo
     lo, hi = np.zeros_like(L), a_half.copy()
-    bound = mean
     while np.any(hi - lo > 1):
         mid = (lo + hi) // 2
-        over = cm.task_time(mid, L) + rho_rest * (T - (L - mid)) > bound
+        over = cm.task_time(mid, L) + rho_rest * (T - (L - mid)) > mean
         lo, hi = np.where(over, mid, lo), np.where(over, hi, mid)
     head = np.clip(hi, 1, np.maximum(L - 1, 1))
     keep = L >= 2
@@ -340,7 +343,7 @@ def _targets(cap, base, mean, T) -> np.ndarray:
     that hold nothing yet, spread over the step, as many as the excess fills."""
     target = np.full(cap.size, mean)
     excess = float(np.maximum(base - mean, 0.0).sum())
-    free = np.nonzero(cap == cap.max())[0] if cap.size else cap
+    free = np.nonzero(cap == T)[0]
     k = min(int(excess // mean), free.size) if mean > 0 else 0
     if k > 0:
         target[free[np.linspace(0, free.size - 1, k).round().astype(np.int64)]] = 0.0
