@@ -135,6 +135,44 @@ def _cu(docs: list[list[int]]) -> list[int]:
     return np.concatenate([[0], np.cumsum([d for row in docs for d in row])]).astype(int).tolist()
 
 
+def rank_item(workload: str, ranks: int, t: int, rank: int, batch: int, seed: int, nano_batches: int, vocab: int,
+              placement: tuple | None = None):  # fmt: skip
+    """Rank ``rank``'s torchtitan item ``(input_dict, labels [1, t])`` for batch ``batch`` (pure).
+
+    Without placement each rank trains its own row (``rank_docs``), split into two nano-batches by
+    halves of the row. With ``placement = (cost_model, shape)`` the step's documents are first
+    reordered over the ranks and sliced as the CA loader does for ``placement = "balance"``
+    (``torchtitan_ext.data.place_windows``; with 2 nano-batches, slots of ``t / 2`` in stream
+    order and nano-batch n the n-th half of the group's stream): the same tokens and labels.
+    """
+    import torch
+
+    import distca
+    from torchtitan_ext import data as ttd
+
+    docs = rank_docs(workload, ranks, t, batch, seed)
+    toks = torch.randint(0, vocab, (ranks * t,), generator=torch.Generator().manual_seed(batch))
+    cu = _cu(docs)
+    pos = torch.cat([torch.arange(n) for row in docs for n in row])
+    lab = torch.roll(toks, -1)
+    lab[torch.tensor(cu[1:]) - 1] = -100  # no label across documents
+    if placement is not None:
+        w = ttd.GroupWindow(toks, lab, pos, torch.tensor(cu), None)
+        cost_model, shape = placement
+        (w,) = ttd.place_windows([w], ranks, t, nano_batches=nano_batches, cost_model=cost_model, shape=shape).windows
+        return (ttd.rank_batch if nano_batches == 1 else ttd.nano_rank_batch)(w, rank, t)
+    sl = slice(rank * t, (rank + 1) * t)
+    inputs = {"input": toks[sl][None], "positions": pos[sl][None], "cu_seqlens": torch.tensor(cu)}
+    if nano_batches == 2:
+        # Half of every rank's row per nano-batch; a document cut by the split continues in
+        # nano-batch 1, which reads nano-batch 0's K/V.
+        n0, n1 = distca.split_nano_batches(distca.Layout(tuple(cu), ranks, t), "rows")
+        inputs["cu_seqlens"] = torch.tensor(n0.cu_seqlens)
+        inputs["cu_seqlens_1"] = torch.tensor(n1.cu_seqlens)
+        inputs["context_1"] = torch.tensor(n1.context, dtype=torch.int64).reshape(-1, 3)
+    return inputs, lab[sl][None]
+
+
 # ---- worker (runs under torchrun) ---------------------------------------------------------------
 
 
@@ -171,9 +209,7 @@ def _worker(args: argparse.Namespace) -> None:
     from torchtitan.protocols import train_spec as ts
     from torchtitan.train import main
 
-    import distca
     import distca.kernels as K
-    from torchtitan_ext import data as ttd
     from torchtitan_ext import train as tt
 
     configs = args.configs.split(",")
@@ -185,40 +221,16 @@ def _worker(args: argparse.Namespace) -> None:
 
         def __init__(self, rank, ranks, T, vocab, planner_model):
             self.rank, self.ranks, self.T, self.vocab = rank, ranks, T, vocab
-            self.cost_model, self.shape = planner_model
+            self.planner_model = planner_model
 
         def __iter__(self):
-            R, T, step = self.ranks, self.T, 0
+            step = 0
             while True:
-                batch = step // len(configs)
-                docs = rank_docs(args.workload, R, T, batch, args.seed)
-                toks = torch.randint(0, self.vocab, (R * T,), generator=torch.Generator().manual_seed(batch))
-                cu = _cu(docs)
-                pos = torch.cat([torch.arange(n) for row in docs for n in row])
-                lab = torch.roll(toks, -1)
-                lab[torch.tensor(cu[1:]) - 1] = -100  # no label across documents
-                if CONFIGS[config_at(step, configs)].get("placement") == "balance":
-                    # The same documents reordered over the ranks, then sliced for this rank, as
-                    # the CA loader does with placement = "balance" (with 2 nano-batches: slots of
-                    # T/2 in stream order, nano-batch n the n-th half of the group's stream).
-                    w = ttd.GroupWindow(toks, lab, pos, torch.tensor(cu), None)
-                    (w,) = ttd.place_windows(
-                        [w], R, T, nano_batches=args.nano_batches, cost_model=self.cost_model, shape=self.shape
-                    ).windows
-                    one = ttd.rank_batch if args.nano_batches == 1 else ttd.nano_rank_batch
-                    yield one(w, self.rank, T)
-                    step += 1
-                    continue
-                sl = slice(self.rank * T, (self.rank + 1) * T)
-                inputs = {"input": toks[sl][None], "positions": pos[sl][None], "cu_seqlens": torch.tensor(cu)}
-                if args.nano_batches == 2:
-                    # Half of every rank's row per nano-batch; a document cut by the split
-                    # continues in nano-batch 1, which reads nano-batch 0's K/V.
-                    n0, n1 = distca.split_nano_batches(distca.Layout(tuple(cu), R, T), "rows")
-                    inputs["cu_seqlens"] = torch.tensor(n0.cu_seqlens)
-                    inputs["cu_seqlens_1"] = torch.tensor(n1.cu_seqlens)
-                    inputs["context_1"] = torch.tensor(n1.context, dtype=torch.int64).reshape(-1, 3)
-                yield inputs, lab[sl][None]
+                placed = CONFIGS[config_at(step, configs)].get("placement") == "balance"
+                yield rank_item(
+                    args.workload, self.ranks, self.T, self.rank, step // len(configs), args.seed, args.nano_batches,
+                    self.vocab, self.planner_model if placed else None,
+                )  # fmt: skip
                 step += 1
 
     def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, **kw):
