@@ -125,6 +125,11 @@ def parser() -> argparse.ArgumentParser:
         help="wlb_ideal: most tokens a group may take, x c x context, before memory (default 2; 1: none more)",
     )  # fmt: skip
     ap.add_argument(
+        "--price-bytes", action="store_true",
+        help="plan with the network priced: the planner's cost model gets this hardware's network model "
+        "(h200+hgx_h200's fields per CA rank; see planner_cost_model in distca/sim/sweep.py)",
+    )  # fmt: skip
+    ap.add_argument(
         "--max-plan-s", type=float, default=20.0, help="skip a policy at larger sizes once one plan takes longer"
     )
     ap.add_argument("--json", action="store_true", help="one JSON object per configuration per line")
@@ -209,7 +214,7 @@ def _resolve(ap: argparse.ArgumentParser, args, pp: bool) -> tuple[list[Arch], l
     opts = Options(
         policies=tuple(args.policy), seeds=args.seeds, microbatches=args.microbatches or 1, tolerance=args.tolerance,
         upsample=args.upsample, upsample_threshold=args.upsample_threshold, cut_docs=args.cut_docs, sync=args.sync,
-        max_plan_s=args.max_plan_s, pp_schedule=args.pp_schedule, tp=args.tp,
+        max_plan_s=args.max_plan_s, pp_schedule=args.pp_schedule, tp=args.tp, price_bytes=args.price_bytes,
     )  # fmt: skip
     return archs, workloads, hw, opts
 

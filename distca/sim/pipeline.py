@@ -17,7 +17,9 @@ import numpy as np
 
 from distca import Layout, load_cost_model, plan, split_nano_batches
 from distca.sim.baselines import wlb_cap, wlb_costs, wlb_cp, wlb_ideal_microbatches
-from distca.sim.hardware import TP, Arch, Hardware, head_fwd_s, linear_fwd_s, memory_fields, recompute_mode
+from distca.sim.hardware import (
+    TP, Arch, Hardware, head_fwd_s, linear_fwd_s, memory_fields, recompute_layers, rerun_share,
+)  # fmt: skip
 from distca.sim.step import RankCosts, _phase, _phase_pair, rank_costs
 from distca.sim.sweep import Options, _add_speedups, paper_range_4d
 from distca.sim.workloads import Workload, build_layout
@@ -295,7 +297,7 @@ def pp_graph_step(
     sub-ticks (:func:`pp_subticks`, each its own direction's compute).
     """
     M, DP = fwd_layer.shape
-    reruns = 2 if recompute == "full" else 1
+    reruns = 1.0 + rerun_share(recompute)
     bwd_layer = bwd_layer + (reruns - 1) * fwd_layer
     lin = np.broadcast_to(np.asarray(lin_f, dtype=np.float64), (M, DP))
     head = np.broadcast_to(np.asarray(head_f, dtype=np.float64), (M, DP))
@@ -338,7 +340,7 @@ def pp_tick_step(
     the step is the sum over t of both. One P2P transfer per tick boundary, exposed. ``op_overhead``
     (per layer, as in :func:`step_time`) is paid by every rank: idle stages' ranks run the op as
     servers. ``recompute="full"``: each backward tick first reruns the forward tick's layers."""
-    reruns = 2 if recompute == "full" else 1
+    reruns = 1.0 + rerun_share(recompute)
     step, sp, sp_all, comp_total, bound = 0.0, [], [], 0.0, 0.0
     R = len(ticks[0][1])
     for c, active in ticks:
@@ -377,7 +379,7 @@ def pp_subtick_step(
     (:func:`pp_p2p_transfers`). ``op_overhead`` (per layer, as in :func:`step_time`) is paid by every
     rank: idle stages' ranks run the op as servers. Spread, idle share and bound as in
     :func:`pp_tick_step`, per sub-tick and its own direction's compute."""
-    reruns = 2 if recompute == "full" else 1
+    reruns = 1.0 + rerun_share(recompute)
     step, sp, sp_all, comp_total, bound = 0.0, [], [], 0.0, 0.0
     R = len(subticks[0][2])
     DP = R // pp

@@ -12,16 +12,19 @@ from distca.sim.pipeline import PP_POLICIES, SCHEDULE_NAMES
 from distca.sim.sweep import PAPER_3D, PAPER_4D, POLICIES, _ratio_ci95, speedup
 
 def _mem(r: dict) -> str:
-    """A row's memory mark: ``sel`` (fits with selective recomputation), ``full`` (needs full
-    recomputation, which its step time pays), ``!mem`` (does not fit even then: no speedup)."""
+    """A row's memory mark: ``sel`` (fits with selective recomputation), ``pK`` (fits with K layers
+    of the stage recomputed in full, which its step time pays), ``full`` (needs every layer
+    recomputed), ``!mem`` (does not fit even then: no speedup)."""
     if not r.get("fits_memory", True):
         return "!mem"
+    if r.get("recompute") == "partial":
+        return f"p{r.get('recompute_layers', '?')}"
     return "full" if r.get("recompute") == "full" else "sel"
 
 
-_MEM_NOTE = ("full: the estimated peak memory per GPU with selective recomputation is above the GPU's (--hbm-gb), "
-             "so the step recomputes every layer's forward in its backward (charged); !mem: above it even then "
-             "(no speedup reported)")  # fmt: skip
+_MEM_NOTE = ("pK / full: the estimated peak memory per GPU with selective recomputation is above the GPU's "
+             "(--hbm-gb), so the step recomputes the forward of the fewest layers that fit (K of them, or every "
+             "layer) in its backward (charged); !mem: above it even with every layer (no speedup reported)")  # fmt: skip
 
 
 def _k(n: int) -> str:
@@ -97,12 +100,12 @@ def summary(rows: list[dict]) -> str:
                 r for k, r in sel.items() if k[:3] == (model, dist, ctx) and k[4] == pp and r.get(f"speedup_vs_{base}")
             ]
             v = [r[f"speedup_vs_{base}"] for r in rs]
-            oom = "*" if any(_mem(r) == "full" for r in rs) else ""
+            oom = "*" if any(_mem(r) != "sel" for r in rs) else ""
             cells.append(f"{min(v):.2f}-{max(v):.2f}{oom}" if v else "-")
         p3 = PAPER_3D[dist]  # callers pass the paper's rows only
         out.append(f"{model:<10} {dist:<8} {_k(ctx):>4} | " + " ".join(f"{c:>15}" for c in cells) + f" | {p3[0]:.2f}-{p3[1]:.2f}")
-    if any(_mem(r) == "full" for r in sel.values()):
-        out.append("* includes configurations with full recomputation (see the table's full)")
+    if any(_mem(r) != "sel" for r in sel.values()):
+        out.append("* includes configurations with partial or full recomputation (see the table's pK / full)")
     return "\n".join(out)
 
 
