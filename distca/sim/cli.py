@@ -42,7 +42,7 @@ from distca.sim.report import (
     detail_table, paper_table, plot, plot_pp, pp_paper_table, pp_summary, pp_table, summary, table,
 )  # fmt: skip
 from distca.sim.sweep import POLICIES, Options, is_paper_row, simulate_config
-from distca.sim.workloads import Workload, load_workload
+from distca.sim.workloads import SYNTHETIC, Workload, load_workload
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,7 +55,8 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ap.add_argument(
         "--doclens", action="append", metavar="FILE_OR_NAME",
-        help=f"repeatable: a shipped distribution {list(DISTRIBUTIONS)} or a file of document lengths: JSON (a list "
+        help=f"repeatable: a shipped distribution {list(DISTRIBUTIONS)}, a synthetic one {list(SYNTHETIC)} (run those "
+        "with --upsample 1) or a file of document lengths: JSON (a list "
         "of lengths, {length: count}, or [length, count] pairs) or CSV (column 'length', or 'length,count'; header "
         "optional); default both shipped",
     )  # fmt: skip

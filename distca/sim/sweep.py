@@ -109,14 +109,28 @@ def planner_cost_model(arch: Arch, hw: Hardware, tp: int = TP, price_bytes: bool
     )  # fmt: skip
 
 
-def placed_layout(lay, cm, shape, micro_batches: int = 1):
-    """``distca.place`` over the documents of ``lay`` (one layout) or of a list of micro-batch layouts
-    (placed over all of them, ``micro_batches=M``). Returns (placed layouts, milliseconds)."""
+def placed_layout(lay, cm, shape):
+    """Document placement as the CA loader applies it (``torchtitan_ext/data.py``, ``place_windows``):
+    ``distca.place`` over the documents of ``lay`` (one layout) or of a list of micro-batch layouts
+    (placed over all of them, ``micro_batches=M``), kept only where the placed order's modelled
+    imbalance (max / mean colocated attention work over the step's slots) is lower than the
+    loader's order's; else the loader's order. Returns (layouts, milliseconds, whether placed)."""
     lays = lay if isinstance(lay, list) else [lay]
     lens = np.concatenate([x.doc_lens[~x.is_padding] for x in lays])
     t0 = time.perf_counter()
     p = place(lens, lays[0].ranks, lays[0].tokens_per_rank, micro_batches=len(lays), cost_model=cm, shape=shape)
-    return list(p.layouts), (time.perf_counter() - t0) * 1e3
+    ms = (time.perf_counter() - t0) * 1e3
+    work = np.concatenate([slot_work(x, cm) for x in lays])
+    before = float(work.max() / work.mean()) if work.mean() > 0 else 1.0
+    if p.imbalance < before:
+        return list(p.layouts), ms, True
+    return lays, ms, False
+
+
+def slot_work(lay, cm) -> np.ndarray:
+    """Modelled colocated attention seconds of each rank of ``lay`` (what ``Placement.slot_work`` holds)."""
+    s = lay.segments
+    return np.bincount(s.rank, cm.task_time(s.start, s.end), lay.ranks)
 
 
 def _paper(arch: Arch, workload: Workload) -> bool:
@@ -231,7 +245,7 @@ def simulate_config(arch: Arch, workload: Workload, gpus: int, ctx: int, opts: O
                 if policy in PLACED:
                     if placed is None:
                         placed = placed_layout(lay, pcm, shape)
-                    src, extra = placed[0][0], {"place_ms": placed[1]}
+                    src, extra = placed[0][0], {"place_ms": placed[1], "placed": placed[2]}
                 t0 = time.perf_counter()
                 p = plan(src, PLACED.get(policy, policy), tolerance=opts.tolerance, shape=shape, cost_model=pcm)
                 plan_s = time.perf_counter() - t0
@@ -297,6 +311,7 @@ def simulate_config(arch: Arch, workload: Workload, gpus: int, ctx: int, opts: O
             row["tasks"] = float(np.mean([i[4]["tasks"] for i in items]))
             if policy in PLACED:
                 row["place_ms"] = float(np.mean([i[4]["place_ms"] for i in items]))
+                row["placed_share"] = float(np.mean([i[4]["placed"] for i in items]))
         rows.append(row)
     # Speedups are ratios of mean step times (the paper averages batches).
     _add_speedups(rows, BASELINES)
