@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from distca import MODEL_SHAPES, Layout, causal_pairs, load_cost_model, plan
+from distca.doclens import load_doclens
 from distca.sim import baselines, cli, hardware, pipeline, report, step, sweep
 
 FIELDS = {
@@ -753,3 +754,144 @@ def test_pp_schedule_gpipe_keeps_the_old_tick_model(quick_pp_gpipe):
         tick = r["policy"] in pipeline.TICK_POLICIES
         assert r["schedule"] == ("tick_gpipe" if tick else "gpipe") and r["settings"]["pp_schedule"] == "gpipe"
         assert r["p2p_transfers"] == (2 * (8 + 4 - 2) if tick else None)
+
+
+# ---- placement policies, partial recomputation, WLB's buffers, workloads beyond the paper's ----------
+
+
+def test_pack_and_distca_placed_rows_carry_bytes_balance_and_speedups(quick, quick_pp):
+    rows, _ = quick
+    for pol in ("pack", "distca_placed"):
+        for pp in (False, True):
+            r = next(x for x in rows if x["policy"] == pol and x["pingpong"] == pp and x["gpus"] == 64)
+            assert r["max_gpu_fwd_bytes"] >= 0 and r["imbalance"] >= 1.0 and r["place_ms"] >= 0
+            assert 0.0 <= r["placed_share"] <= 1.0 and r["recompute"] == "selective"
+            # distca's speedups (and every other row's) against the placement policies and distca itself
+            assert r["speedup_vs_pack"] is not None and r["speedup_vs_distca"] is not None
+            w = next(x for x in rows if x["policy"] == "wlb_ideal" and x["pingpong"] == pp and x["gpus"] == 64)
+            assert r["speedup_vs_wlb_ideal"] == pytest.approx(round(w["step_s"] / r["step_s"], 4))
+    d = next(x for x in rows if x["policy"] == "distca_placed" and x["pingpong"] and x["gpus"] == 64)
+    # distca balances after placement as before it
+    assert d["imbalance"] < 1.1
+    assert {"pack", "distca_placed"} <= {r["policy"] for r in quick_pp}
+    assert "distca_placed" in pipeline.TICK_POLICIES and "pack" not in pipeline.TICK_POLICIES
+
+
+def test_pack_lowers_the_imbalance_of_a_capped_batch():
+    """Pretrain with documents capped at 32K (none longer than a rank): placement alone balances the
+    attention work the loader's order leaves uneven, without moving a row."""
+    pool = np.minimum(load_doclens("pretrain"), 32768)
+    w = sweep.Workload("pretrain_capped", pool)
+    opts = sweep.Options(policies=("colocated", "pack"), seeds=3)
+    rows = sweep.simulate_config(hardware.ARCHS["llama3-8b"], w, 64, 65536, opts, hardware.Hardware())
+    by = {(r["policy"], r["pingpong"]): r for r in rows}
+    col, pack = by[("colocated", False)], by[("pack", False)]
+    assert pack["placed_share"] == 1.0  # placement lowered the imbalance on every batch
+    assert pack["imbalance"] < col["imbalance"] and pack["step_s"] < col["step_s"]
+    # the placement rule itself never raises it (the loader keeps the stream order otherwise)
+    cm = load_cost_model("h200").for_shape(MODEL_SHAPES["llama3-8b"])
+    lay = Layout.from_doclens([3 * 8192, 1000, 1000, 1000, 1000, 3 * 8192 - 4000, 8192, 8192], 4, 16384)
+    placed, _, used = sweep.placed_layout(lay, cm, MODEL_SHAPES["llama3-8b"])
+    before, after = sweep.slot_work(lay, cm), sweep.slot_work(placed[0], cm)
+    assert after.max() / after.mean() <= before.max() / before.mean()
+    assert used == (after.max() / after.mean() < before.max() / before.mean())
+
+
+def test_partial_recomputation_picks_the_fewest_layers_that_fit():
+    a8 = hardware.ARCHS["llama3-8b"]
+    T, dp = 262144, 8
+    mem = lambda k: hardware.memory_per_gpu(a8, T, dp, recompute=k)["memory_gib"] * 2**30  # noqa: E731
+    assert mem(0) == pytest.approx(hardware.memory_per_gpu(a8, T, dp)["memory_gib"] * 2**30)
+    assert mem(32) == pytest.approx(hardware.memory_per_gpu(a8, T, dp, recompute="full")["memory_gib"] * 2**30)
+    # (One layer alone never helps: its rerun's working set is what it saves.)
+    assert mem(1) > mem(0)
+    for k in (2, 5, 17, 32):
+        hbm = (mem(k) + mem(k - 1)) / 2  # fits with k layers recomputed, not with k - 1
+        assert hardware.recompute_layers(a8, T, dp, hbm=hbm) == k
+        assert not hardware.memory_per_gpu(a8, T, dp, recompute=k - 1, hbm=hbm)["fits_memory"]
+        assert hardware.memory_per_gpu(a8, T, dp, recompute=k, hbm=hbm)["fits_memory"]
+    assert hardware.recompute_layers(a8, T, dp, hbm=mem(0) + 1) == 0
+    # Each recomputed layer costs one more forward of that layer.
+    rng = np.random.default_rng(0)
+    rc = step.RankCosts(*(np.full(4, x) for x in rng.uniform(0.001, 0.01, 5)), np.zeros(4, dtype=np.int64), np.zeros(4))
+    hw = hardware.Hardware()
+    fwd = hardware.linear_fwd_s(a8, T, hw) + rc.attn_fwd[0] + rc.fwd_dispatch[0] + rc.fwd_return[0]
+    sel = step.step_time(rc, a8, T, 2.8, False, "step", hw)
+    part = step.step_time(rc, a8, T, 2.8, False, "step", hw, recompute=5 / 32)
+    assert part.step_s - sel.step_s == pytest.approx(5 * fwd)
+    # End to end: every policy's row recomputes the fewest layers its own memory needs.
+    hbm = (mem(5) + mem(4)) / 2
+    opts = sweep.Options(policies=("colocated", "distca", "wlb_ideal"), seeds=2)
+    rows = sweep.simulate_config(a8, sweep.Workload("pretrain", load_doclens("pretrain")), 64, T,
+                                 opts, hardware.Hardware(hbm_bytes=hbm))  # fmt: skip
+    for r in rows:
+        k = r["recompute_layers"]
+        assert r["fits_memory"] and 0 < k < 32 and r["recompute"] == "partial" and r["recompute_share"] == k / 32
+        tokens = T if r["policy"] != "wlb_ideal" else None
+        if tokens:  # fewest: one layer fewer does not fit with the row's own buffers
+            buf = r["buffer_gib"] * 2**30
+            assert not hardware.memory_per_gpu(a8, T, 8, recompute=k - 1, hbm=hbm, buffer_bytes=buf)["fits_memory"]
+    col = next(r for r in rows if r["policy"] == "colocated")
+    assert col["recompute_layers"] == 5  # colocated's buffers are small next to a layer's activations
+    assert "p5" in report.table(rows)
+
+
+def test_wlb_memory_includes_the_all_gathered_kv():
+    arch, shape = hardware.ARCHS["llama3-8b"], MODEL_SHAPES["llama3-8b"]
+    cm = load_cost_model("h200").for_shape(shape)
+    T = 32768
+    lay = Layout.from_doclens([3 * T // 2, 3 * T // 2] + [1024] * (5 * T // 1024), 8, T)
+    w = baselines.wlb_cp(lay, 2, shape, cm)
+    # Every document of at least 2 x min_shard x c tokens is split over its group (the one where it
+    # starts), so each rank gathers the whole K and V of its group's documents: both long ones start in
+    # group 0 (3 T), group 1 holds 1 T of short documents, groups 2 and 3 2 T each.
+    assert (w.kv_bytes / (T * shape.kv_row)).tolist() == [3, 3, 1, 1, 2, 2, 2, 2]
+    rc = baselines.wlb_costs(w.loads, w.ag_bytes, 2, hardware.Hardware(), kv_bytes=w.kv_bytes)
+    assert np.allclose(rc.buf_bytes, 2 * w.kv_bytes / 8)  # K, V and dK, dV, over the TP GPUs
+    # The static bound every CP degree's recomputation is sized for, and its effect on the row.
+    assert baselines.wlb_buffer_bound(1, 131072, shape) == 0.0
+    assert baselines.wlb_buffer_bound(4, 131072, shape) == 2 * 4 * 131072 * shape.kv_row / 8
+    opts = sweep.Options(policies=("wlb_ideal",), seeds=2)
+    rows = sweep.simulate_config(arch, sweep.Workload("prolong", load_doclens("prolong")), 64,
+                                 131072, opts, hardware.Hardware())  # fmt: skip
+    for r in rows:
+        assert r["buffer_gib"] > 0 and r["cp"] > 1
+        parts = r["activation_gib"] + r["model_state_gib"] + r["buffer_gib"]
+        assert r["memory_gib"] == pytest.approx(parts)
+    # A buffer can tip a configuration into one more recomputed layer.
+    a8, Tt = hardware.ARCHS["llama3-8b"], 262144
+    hbm = hardware.memory_per_gpu(a8, Tt, 8, recompute=3)["memory_gib"] * 2**30 + 1e6
+    assert hardware.recompute_layers(a8, Tt, 8, hbm=hbm) == 3
+    assert hardware.recompute_layers(a8, Tt, 8, hbm=hbm, buffer_bytes=2e9) == 4
+
+
+def test_new_workloads_have_documents_longer_than_a_rank():
+    from distca.sim import workloads
+
+    T = 131072
+    long = workloads.load_workload("long_docs").lengths
+    assert long.sum() == workloads.POOL_TOKENS and not workloads.load_workload("long_docs").shipped
+    share = long[long >= 2 * T].sum() / long.sum()
+    assert 0.45 < share <= 0.5 and long.max() <= 8 * T
+    heavy = workloads.load_workload("heavy_tail").lengths
+    assert heavy.sum() == workloads.POOL_TOKENS and heavy.max() > 4 * T and np.median(heavy) < 2000
+    assert np.array_equal(heavy, workloads.heavy_tail_lengths(workloads.POOL_TOKENS, 0))  # deterministic
+    small = workloads.long_docs_lengths(10 * T, seed=3)
+    assert small.sum() == 10 * T and small.min() >= 1 and small.max() > 2 * T
+    for name, ranks in (("long_docs", 8), ("heavy_tail", 32)):
+        lay = workloads.build_layout(workloads.load_workload(name).lengths, ranks, T, 0, upsample=1,
+                                     upsample_threshold=65536, cut_docs=False)  # fmt: skip
+        assert lay.doc_lens.max() > T  # a batch holds a document longer than a rank
+
+
+def test_price_bytes_gives_the_planner_this_hardwares_network():
+    a8 = hardware.ARCHS["llama3-8b"]
+    hw = hardware.Hardware()
+    free = sweep.planner_cost_model(a8, hw)
+    assert not free.has_network
+    cm = sweep.planner_cost_model(a8, hw, price_bytes=True)
+    stored = load_cost_model("h200+hgx_h200").for_shape(a8.shape)
+    # per CA rank (one 8-GPU node): the stored per-GPU network's byte price and overlap, every peer remote
+    assert cm.net_inter_byte_s == pytest.approx(stored.net_inter_byte_s)
+    assert cm.net_overlap_token_s == pytest.approx(stored.net_overlap_token_s, rel=1e-3)
+    assert cm.net_ranks_per_node == 1 and cm.pair_s == free.pair_s
