@@ -39,7 +39,7 @@ from distca.doclens import DISTRIBUTIONS
 from distca.sim.hardware import ARCHS, HARDWARE, TP, Arch, Hardware, load_arch, load_hardware
 from distca.sim.pipeline import PP_GRID, PP_POLICIES, PP_SCHEDULES, SCHEDULE_NAMES, simulate_pp_config
 from distca.sim.report import (
-    detail_table, paper_table, plot, plot_pp, pp_paper_table, pp_summary, pp_table, summary, table,
+    detail_table, paper_table, placement_table, plot, plot_pp, pp_paper_table, pp_summary, pp_table, summary, table,
 )  # fmt: skip
 from distca.sim.sweep import POLICIES, Options, is_paper_row, simulate_config
 from distca.sim.workloads import SYNTHETIC, Workload, load_workload
@@ -327,9 +327,19 @@ def main(argv: list[str] | None = None) -> int:
             if "wlb_ideal" in opts.policies and "distca" in opts.policies:
                 print("\ndistca (ping-pong) against the paper's WLB-ideal (wlb_ideal), per configuration:")
                 print(paper_table(paper))
+        _print_placement(rows, opts)
         _print_details(rows, args.details)
         print(f"\n{wall:.1f} s; results in {out_dir / 'results.jsonl'}" + (f", plot {png}" if png else ""))
     return 0
+
+
+def _print_placement(rows: list[dict], opts: Options) -> None:
+    """The document placement table (report.placement_table), with ping-pong, when placement ran."""
+    if {"pack", "distca_placed"} & set(opts.policies):
+        print("\ndocument placement (ping-pong): step s; imbalance (max/mean attention load); forward MB per GPU per\n"
+              "layer at the busiest GPU; exposed s per step; distca_placed's speedups; placed = share of batches\n"
+              "whose placed order the loader kept (it keeps the stream order unless placement lowers the imbalance)\n")
+        print(placement_table(rows))
 
 
 def _print_details(rows: list[dict], details: bool | None) -> None:
@@ -392,6 +402,7 @@ def main_pp(ap: argparse.ArgumentParser, args) -> int:
                 print("\ndistca (ping-pong) against the paper's WLB-ideal (wlb_ideal), each at its best P "
                       "(distca/wlbi):")
                 print(pp_paper_table(paper))
+        _print_placement(rows, opts)
         _print_details(rows, args.details)
         print(f"\n{wall:.1f} s; results in {out_dir / 'results_pp.jsonl'}" + (f", plot {png}" if png else ""))
     return 0

@@ -424,3 +424,40 @@ def detail_table(rows: list[dict]) -> str:
         out.append("does not fit: the estimated memory per GPU exceeds the GPU's even with full recomputation "
                    "(--hbm-gb); its step time is what it would take, and no speedup is reported against it")  # fmt: skip
     return "\n".join(out).rstrip()
+
+
+def placement_table(rows: list[dict], pingpong: bool = True) -> str:
+    """Document placement side by side per (model, doclens, GPUs, context), all policies with the same
+    ping-pong setting (3D or --pp rows; --pp: per P): step seconds of distca, distca_placed, pack,
+    wlb_ideal and colocated; imbalance (max / mean attention load) of colocated, pack, distca and
+    distca_placed; forward MB per GPU per layer at the busiest GPU (3D rows) of distca, distca_placed
+    and pack; distca's and distca_placed's exposed seconds per step (3D); distca_placed's speedup over
+    wlb_ideal, distca and pack; the share of batches placement was kept for (the loader's rule)."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        if "step_s" in r and r["pingpong"] == pingpong:
+            key = (r["model"], r["doclens"], r["gpus"], r["context"], r.get("pp", 0))
+            groups.setdefault(key, {})[r["policy"]] = r
+    wm, wd = _widths(rows)
+    pols = ("distca", "distca_placed", "pack", "wlb_ideal", "colocated")
+    head = (f"{'model':<{wm}} {'doclens':<{wd}} {'gpus':>4} {'ctx':>4} {'P':>2} | "
+            + " ".join(f"{n:>7}" for n in ("dca", "dca+pl", "pack", "wlbi", "coloc"))
+            + f" | {'imb col':>7} {'pack':>6} {'dca':>6} {'dca+pl':>6} | {'MB dca':>7} {'dca+pl':>7} {'pack':>6} | "
+            f"{'exp dca':>7} {'dca+pl':>6} | {'x wlbi':>6} {'x dca':>6} {'x pack':>6} | {'placed':>6}")  # fmt: skip
+    out = [head, "-" * len(head)]
+    for key in sorted(groups):
+        g = groups[key]
+        model, dist, gpus, ctx, P = key
+        get = lambda p, f, spec=".2f", k=1.0: _fmt(None if g.get(p, {}).get(f) is None else g[p][f] * k, spec)  # noqa: E731
+        dp = g.get("distca_placed", {})
+        out.append(
+            f"{model:<{wm}} {dist:<{wd}} {gpus:>4} {_k(ctx):>4} {P or '-':>2} | "
+            + " ".join(f"{get(p, 'step_s'):>7}" for p in pols)
+            + f" | {get('colocated', 'imbalance'):>7} {get('pack', 'imbalance'):>6} {get('distca', 'imbalance', '.3f'):>6} "
+            f"{get('distca_placed', 'imbalance', '.3f'):>6} | {get('distca', 'max_gpu_fwd_bytes', '.0f', 1e-6):>7} "
+            f"{get('distca_placed', 'max_gpu_fwd_bytes', '.0f', 1e-6):>7} {get('pack', 'max_gpu_fwd_bytes', '.0f', 1e-6):>6} | "
+            f"{get('distca', 'exposed_s'):>7} {get('distca_placed', 'exposed_s'):>6} | "
+            f"{_fmt(dp.get('speedup_vs_wlb_ideal')):>6} {_fmt(dp.get('speedup_vs_distca')):>6} "
+            f"{_fmt(dp.get('speedup_vs_pack')):>6} | {get('pack', 'placed_share'):>6}"
+        )
+    return "\n".join(out)
