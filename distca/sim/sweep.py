@@ -214,7 +214,12 @@ def simulate_config(arch: Arch, workload: Workload, gpus: int, ctx: int, opts: O
         for cap in caps if policy == "wlb_ideal" else [1.0]:
             tok = int(cap * ctx)
             buf = wlb_buffer_bound(c, tok, shape, tp)
-            wlb_k[(policy, c, cap)] = (recompute_layers(arch, tok, R, hbm=hw.hbm_bytes, tp=tp, buffer_bytes=buf), tok, buf)
+            k = recompute_layers(arch, tok, R, hbm=hw.hbm_bytes, tp=tp, buffer_bytes=buf)
+            fits = memory_fields(arch, tok, R, recompute=k, hbm=hw.hbm_bytes, tp=tp, buffer_bytes=buf)["fits_memory"]
+            wlb_k[(policy, c, cap)] = (k, tok, buf, fits)
+    # A (CP degree, cap) that does not fit even with every layer recomputed is not tried (unless none fits).
+    wlb_try = {pol: [key[1:] for key, v in wlb_k.items() if key[0] == pol and v[3]]
+               or [key[1:] for key in wlb_k if key[0] == pol] for pol in ("wlb_cp", "wlb_ideal")}
     for s in range(opts.seeds):
         for m in range(opts.microbatches):
             lay = build_layout(workload.lengths, R, ctx, s * opts.microbatches + m, **opts.sampling())
@@ -227,17 +232,16 @@ def simulate_config(arch: Arch, workload: Workload, gpus: int, ctx: int, opts: O
                 if policy in ("wlb_cp", "wlb_ideal"):
                     step_at = wlb_cp_step if policy == "wlb_cp" else wlb_ideal_step
                     best: dict[bool, tuple] = {}  # pingpong -> (StepTime, RankCosts, loads, plan s, extra)
-                    for c in cps:  # the grid search over CP degrees (and caps), per ping-pong setting
-                        for cap in caps if policy == "wlb_ideal" else [1.0]:
-                            k, tok, buf = wlb_k[(policy, c, cap)]
-                            kw = {"cap": cap} if policy == "wlb_ideal" else {}
-                            by_pp, loads, ps, most = step_at(lay, c, arch, ctx, shape, cm, hw, opts.sync, k / L, tp, **kw)
-                            for pp, (st, rc) in by_pp.items():
-                                if pp not in best or st.step_s < best[pp][0].step_s:
-                                    extra = {"cp": c, "tokens": most, "cap": cap, "k": k, "mem_tokens": tok, "buf": buf}
-                                    best[pp] = (st, rc, loads, ps, extra)
-                            if ps > opts.max_plan_s:
-                                slow[policy] = size
+                    for c, cap in wlb_try[policy]:  # the grid search over CP degrees (and caps), per ping-pong
+                        k, tok, buf, _ = wlb_k[(policy, c, cap)]
+                        kw = {"cap": cap} if policy == "wlb_ideal" else {}
+                        by_pp, loads, ps, most = step_at(lay, c, arch, ctx, shape, cm, hw, opts.sync, k / L, tp, **kw)
+                        for pp, (st, rc) in by_pp.items():
+                            if pp not in best or st.step_s < best[pp][0].step_s:
+                                extra = {"cp": c, "tokens": most, "cap": cap, "k": k, "mem_tokens": tok, "buf": buf}
+                                best[pp] = (st, rc, loads, ps, extra)
+                        if ps > opts.max_plan_s:
+                            slow[policy] = size
                     for pp, (st, rc, loads, ps, extra) in best.items():
                         acc.setdefault((policy, pp), []).append((st, rc, loads, ps * 1e3, extra))
                     continue
