@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from distca import MODEL_SHAPES, Layout, causal_pairs, load_cost_model, plan
+from distca.doclens import load_doclens
 from distca.sim import baselines, cli, hardware, pipeline, report, step, sweep
 
 FIELDS = {
@@ -355,8 +356,9 @@ def test_memory_estimate_picks_the_recomputation_that_fits(quick):
     rec = step.step_time(rc, a8, 131072, 2.8, False, "step", hw, recompute="full")
     fwd = hardware.linear_fwd_s(a8, 131072, hw) + rc.attn_fwd[0] + rc.fwd_dispatch[0] + rc.fwd_return[0]
     assert rec.step_s - sel.step_s == pytest.approx(a8.layers * fwd)
-    rows, _ = quick  # 8B at 128K: every row fits with selective recomputation; the tables have no mark
-    assert all(r["recompute"] == "selective" and r["fits_memory"] for r in rows if "step_s" in r)
+    rows, _ = quick  # 8B at 128K: every row fits with selective recomputation but WLB-ideal's (2x tokens)
+    assert all(r["recompute"] == "selective" and r["fits_memory"] for r in rows if "step_s" in r and r["policy"] != "wlb_ideal")
+    assert all(r["recompute"] == "partial" and r["fits_memory"] for r in rows if r["policy"] == "wlb_ideal")
     assert " full " not in report.table(rows) and "*" not in report.summary(rows)
     marked = [{**r, "recompute": "full", "memory_gib": 100.0} for r in rows]
     assert "full 100 GiB" in report.table(marked) and "*" in report.summary(marked)
@@ -396,13 +398,13 @@ def test_wlb_ideal_beats_wlb_cp_on_a_skewed_batch_and_equals_per_doc_cp_costs_at
     # variable-length packing gives those groups nothing else and the short ones go elsewhere.
     lay = Layout.from_doclens([3 * T // 2, 3 * T // 2] + [1024] * (5 * T // 1024), 8, T)
     ideal = baselines.wlb_ideal_step(lay, 2, arch, T, shape, cm, hw, "step")[0][False][0]
-    _, loads, ag, _ = baselines.wlb_cp(lay, 2, shape, cm)
-    cp = step.step_time(baselines.wlb_costs(loads, ag, 2, hw), arch, T, cm.bwd_factor, False, "step", hw)
+    w = baselines.wlb_cp(lay, 2, shape, cm)
+    cp = step.step_time(baselines.wlb_costs(w.loads, w.ag_bytes, 2, hw), arch, T, cm.bwd_factor, False, "step", hw)
     assert ideal.step_s < cp.step_s and ideal.linear_s < cp.linear_s
     # c = R: one group holding every document is per-document CP over the whole batch.
     one = baselines.wlb_ideal_step(lay, 8, arch, T, shape, cm, hw, "step")[0][False][0]
-    _, loads, ag, _ = baselines.wlb_cp(lay, 8, shape, cm)
-    full = step.step_time(baselines.wlb_costs(loads, ag, 8, hw), arch, T, cm.bwd_factor, False, "step", hw)
+    w = baselines.wlb_cp(lay, 8, shape, cm)
+    full = step.step_time(baselines.wlb_costs(w.loads, w.ag_bytes, 8, hw), arch, T, cm.bwd_factor, False, "step", hw)
     assert one.step_s == pytest.approx(full.step_s, rel=0.02)
 
 
@@ -428,7 +430,7 @@ def test_jobs_give_the_same_rows_and_the_paper_table_places_intervals(tmp_path):
         with contextlib.redirect_stdout(buf):
             assert cli.main([*args, "--jobs", jobs]) == 0
         outs.append([json.loads(line) for line in buf.getvalue().splitlines() if line.strip()])
-    drop = lambda r: {k: v for k, v in r.items() if k != "plan_ms"}  # noqa: E731 - wall time differs
+    drop = lambda r: {k: v for k, v in r.items() if k not in ("plan_ms", "place_ms")}  # noqa: E731 - wall times
     assert [drop(r) for r in outs[0]] == [drop(r) for r in outs[1]]
     rows = outs[0]
     d = next(r for r in rows if r["policy"] == "distca" and r["pingpong"])
@@ -489,8 +491,13 @@ def test_wlb_cap_follows_the_memory_estimate():
     fit = hardware.fit_tokens(a8, dp=8)
     assert hardware.memory_per_gpu(a8, int(fit), 8)["memory_gib"] * 2**30 == pytest.approx(hardware.HBM_BYTES, rel=1e-4)
     assert baselines.wlb_cap(a8, 32768, 8) == hardware.WLB_TOKEN_CAP  # plenty of room
-    assert baselines.wlb_cap(a8, int(fit / 1.5), 8) == pytest.approx(1.5, rel=1e-4)
-    # 34B at 512K needs full recomputation: the cap is what fits under it.
+    assert baselines.wlb_caps(a8, 32768, 8) == [hardware.WLB_TOKEN_CAP]
+    # Up to what fits with every layer recomputed the cap stays; the extra tokens cost recomputation.
+    assert baselines.wlb_cap(a8, int(fit / 1.5), 8) == hardware.WLB_TOKEN_CAP
+    # The second cap tried: what fits under the fixed budget's own recomputation (none here).
+    hi, lo = baselines.wlb_caps(a8, int(fit / 1.5), 8)
+    assert hi == hardware.WLB_TOKEN_CAP and lo == pytest.approx(1.5, rel=1e-4)
+    # 34B at 512K needs recomputation even at the fixed budget: the cap is what fits with all of it.
     fit_full = hardware.fit_tokens(a34, 8, recompute="full")
     assert baselines.wlb_cap(a34, 524288, 8) == pytest.approx(min(2.0, fit_full / 524288)) and fit_full > 524288
     assert baselines.wlb_cap(a34, 4 << 20, 8) == 1.0  # does not fit even at the fixed budget
@@ -546,8 +553,10 @@ def test_pp_memory_follows_each_schedule(quick_pp, quick_pp_gpipe):
             want = ([7, 5, 3, 1] if sched == "1f1b" else [8] * 4) if tick else [4, 3, 2, 1]
             assert r["in_flight_per_stage"] == want and r["in_flight"] == max(want)
             if r["policy"] != "wlb_ideal":
-                assert r["recompute"] == hardware.recompute_mode(a8, 131072, r["dp"], 4, r["in_flight"])
-            assert r["recompute"] == ("full" if tick and sched == "gpipe" else "selective") and r["fits_memory"]
+                k = hardware.recompute_layers(a8, 131072, r["dp"], 4, r["in_flight"])
+                assert r["recompute_layers"] == k and r["recompute_share"] == k / 8
+                # GPipe ticks hold all 8 micro-batches: some layers of the stage's 8 are recomputed.
+                assert (k > 0) == (tick and sched == "gpipe") and r["fits_memory"]
     # Where GPipe ticks force full recomputation, 1F1B ticks (selective) are faster for the same policy.
     gp = {(r["doclens"], r["gpus"], r["policy"], r["pingpong"]): r for r in quick_pp_gpipe}
     for r in quick_pp:
@@ -745,3 +754,144 @@ def test_pp_schedule_gpipe_keeps_the_old_tick_model(quick_pp_gpipe):
         tick = r["policy"] in pipeline.TICK_POLICIES
         assert r["schedule"] == ("tick_gpipe" if tick else "gpipe") and r["settings"]["pp_schedule"] == "gpipe"
         assert r["p2p_transfers"] == (2 * (8 + 4 - 2) if tick else None)
+
+
+# ---- placement policies, partial recomputation, WLB's buffers, workloads beyond the paper's ----------
+
+
+def test_pack_and_distca_placed_rows_carry_bytes_balance_and_speedups(quick, quick_pp):
+    rows, _ = quick
+    for pol in ("pack", "distca_placed"):
+        for pp in (False, True):
+            r = next(x for x in rows if x["policy"] == pol and x["pingpong"] == pp and x["gpus"] == 64)
+            assert r["max_gpu_fwd_bytes"] >= 0 and r["imbalance"] >= 1.0 and r["place_ms"] >= 0
+            assert 0.0 <= r["placed_share"] <= 1.0 and r["recompute"] == "selective"
+            # distca's speedups (and every other row's) against the placement policies and distca itself
+            assert r["speedup_vs_pack"] is not None and r["speedup_vs_distca"] is not None
+            w = next(x for x in rows if x["policy"] == "wlb_ideal" and x["pingpong"] == pp and x["gpus"] == 64)
+            assert r["speedup_vs_wlb_ideal"] == pytest.approx(round(w["step_s"] / r["step_s"], 4))
+    d = next(x for x in rows if x["policy"] == "distca_placed" and x["pingpong"] and x["gpus"] == 64)
+    # distca balances after placement as before it
+    assert d["imbalance"] < 1.1
+    assert {"pack", "distca_placed"} <= {r["policy"] for r in quick_pp}
+    assert "distca_placed" in pipeline.TICK_POLICIES and "pack" not in pipeline.TICK_POLICIES
+
+
+def test_pack_lowers_the_imbalance_of_a_capped_batch():
+    """Pretrain with documents capped at 32K (none longer than a rank): placement alone balances the
+    attention work the loader's order leaves uneven, without moving a row."""
+    pool = np.minimum(load_doclens("pretrain"), 32768)
+    w = sweep.Workload("pretrain_capped", pool)
+    opts = sweep.Options(policies=("colocated", "pack"), seeds=3)
+    rows = sweep.simulate_config(hardware.ARCHS["llama3-8b"], w, 64, 65536, opts, hardware.Hardware())
+    by = {(r["policy"], r["pingpong"]): r for r in rows}
+    col, pack = by[("colocated", False)], by[("pack", False)]
+    assert pack["placed_share"] == 1.0  # placement lowered the imbalance on every batch
+    assert pack["imbalance"] < col["imbalance"] and pack["step_s"] < col["step_s"]
+    # the placement rule itself never raises it (the loader keeps the stream order otherwise)
+    cm = load_cost_model("h200").for_shape(MODEL_SHAPES["llama3-8b"])
+    lay = Layout.from_doclens([3 * 8192, 1000, 1000, 1000, 1000, 3 * 8192 - 4000, 8192, 8192], 4, 16384)
+    placed, _, used = sweep.placed_layout(lay, cm, MODEL_SHAPES["llama3-8b"])
+    before, after = sweep.slot_work(lay, cm), sweep.slot_work(placed[0], cm)
+    assert after.max() / after.mean() <= before.max() / before.mean()
+    assert used == (after.max() / after.mean() < before.max() / before.mean())
+
+
+def test_partial_recomputation_picks_the_fewest_layers_that_fit():
+    a8 = hardware.ARCHS["llama3-8b"]
+    T, dp = 262144, 8
+    mem = lambda k: hardware.memory_per_gpu(a8, T, dp, recompute=k)["memory_gib"] * 2**30  # noqa: E731
+    assert mem(0) == pytest.approx(hardware.memory_per_gpu(a8, T, dp)["memory_gib"] * 2**30)
+    assert mem(32) == pytest.approx(hardware.memory_per_gpu(a8, T, dp, recompute="full")["memory_gib"] * 2**30)
+    # (One layer alone never helps: its rerun's working set is what it saves.)
+    assert mem(1) > mem(0)
+    for k in (2, 5, 17, 32):
+        hbm = (mem(k) + mem(k - 1)) / 2  # fits with k layers recomputed, not with k - 1
+        assert hardware.recompute_layers(a8, T, dp, hbm=hbm) == k
+        assert not hardware.memory_per_gpu(a8, T, dp, recompute=k - 1, hbm=hbm)["fits_memory"]
+        assert hardware.memory_per_gpu(a8, T, dp, recompute=k, hbm=hbm)["fits_memory"]
+    assert hardware.recompute_layers(a8, T, dp, hbm=mem(0) + 1) == 0
+    # Each recomputed layer costs one more forward of that layer.
+    rng = np.random.default_rng(0)
+    rc = step.RankCosts(*(np.full(4, x) for x in rng.uniform(0.001, 0.01, 5)), np.zeros(4, dtype=np.int64), np.zeros(4))
+    hw = hardware.Hardware()
+    fwd = hardware.linear_fwd_s(a8, T, hw) + rc.attn_fwd[0] + rc.fwd_dispatch[0] + rc.fwd_return[0]
+    sel = step.step_time(rc, a8, T, 2.8, False, "step", hw)
+    part = step.step_time(rc, a8, T, 2.8, False, "step", hw, recompute=5 / 32)
+    assert part.step_s - sel.step_s == pytest.approx(5 * fwd)
+    # End to end: every policy's row recomputes the fewest layers its own memory needs.
+    hbm = (mem(5) + mem(4)) / 2
+    opts = sweep.Options(policies=("colocated", "distca", "wlb_ideal"), seeds=2)
+    rows = sweep.simulate_config(a8, sweep.Workload("pretrain", load_doclens("pretrain")), 64, T,
+                                 opts, hardware.Hardware(hbm_bytes=hbm))  # fmt: skip
+    for r in rows:
+        k = r["recompute_layers"]
+        assert r["fits_memory"] and 0 < k < 32 and r["recompute"] == "partial" and r["recompute_share"] == k / 32
+        tokens = T if r["policy"] != "wlb_ideal" else None
+        if tokens:  # fewest: one layer fewer does not fit with the row's own buffers
+            buf = r["buffer_gib"] * 2**30
+            assert not hardware.memory_per_gpu(a8, T, 8, recompute=k - 1, hbm=hbm, buffer_bytes=buf)["fits_memory"]
+    col = next(r for r in rows if r["policy"] == "colocated")
+    assert col["recompute_layers"] == 5  # colocated's buffers are small next to a layer's activations
+    assert "p5" in report.table(rows)
+
+
+def test_wlb_memory_includes_the_all_gathered_kv():
+    arch, shape = hardware.ARCHS["llama3-8b"], MODEL_SHAPES["llama3-8b"]
+    cm = load_cost_model("h200").for_shape(shape)
+    T = 32768
+    lay = Layout.from_doclens([3 * T // 2, 3 * T // 2] + [1024] * (5 * T // 1024), 8, T)
+    w = baselines.wlb_cp(lay, 2, shape, cm)
+    # Every document of at least 2 x min_shard x c tokens is split over its group (the one where it
+    # starts), so each rank gathers the whole K and V of its group's documents: both long ones start in
+    # group 0 (3 T), group 1 holds 1 T of short documents, groups 2 and 3 2 T each.
+    assert (w.kv_bytes / (T * shape.kv_row)).tolist() == [3, 3, 1, 1, 2, 2, 2, 2]
+    rc = baselines.wlb_costs(w.loads, w.ag_bytes, 2, hardware.Hardware(), kv_bytes=w.kv_bytes)
+    assert np.allclose(rc.buf_bytes, 2 * w.kv_bytes / 8)  # K, V and dK, dV, over the TP GPUs
+    # The static bound every CP degree's recomputation is sized for, and its effect on the row.
+    assert baselines.wlb_buffer_bound(1, 131072, shape) == 0.0
+    assert baselines.wlb_buffer_bound(4, 131072, shape) == 2 * 4 * 131072 * shape.kv_row / 8
+    opts = sweep.Options(policies=("wlb_ideal",), seeds=2)
+    rows = sweep.simulate_config(arch, sweep.Workload("prolong", load_doclens("prolong")), 64,
+                                 131072, opts, hardware.Hardware())  # fmt: skip
+    for r in rows:
+        assert r["buffer_gib"] > 0 and r["cp"] > 1
+        parts = r["activation_gib"] + r["model_state_gib"] + r["buffer_gib"]
+        assert r["memory_gib"] == pytest.approx(parts)
+    # A buffer can tip a configuration into one more recomputed layer.
+    a8, Tt = hardware.ARCHS["llama3-8b"], 262144
+    hbm = hardware.memory_per_gpu(a8, Tt, 8, recompute=3)["memory_gib"] * 2**30 + 1e6
+    assert hardware.recompute_layers(a8, Tt, 8, hbm=hbm) == 3
+    assert hardware.recompute_layers(a8, Tt, 8, hbm=hbm, buffer_bytes=2e9) == 4
+
+
+def test_new_workloads_have_documents_longer_than_a_rank():
+    from distca.sim import workloads
+
+    T = 131072
+    long = workloads.load_workload("long_docs").lengths
+    assert long.sum() == workloads.POOL_TOKENS and not workloads.load_workload("long_docs").shipped
+    share = long[long >= 2 * T].sum() / long.sum()
+    assert 0.45 < share <= 0.5 and long.max() <= 8 * T
+    heavy = workloads.load_workload("heavy_tail").lengths
+    assert heavy.sum() == workloads.POOL_TOKENS and heavy.max() > 4 * T and np.median(heavy) < 2000
+    assert np.array_equal(heavy, workloads.heavy_tail_lengths(workloads.POOL_TOKENS, 0))  # deterministic
+    small = workloads.long_docs_lengths(10 * T, seed=3)
+    assert small.sum() == 10 * T and small.min() >= 1 and small.max() > 2 * T
+    for name, ranks in (("long_docs", 8), ("heavy_tail", 32)):
+        lay = workloads.build_layout(workloads.load_workload(name).lengths, ranks, T, 0, upsample=1,
+                                     upsample_threshold=65536, cut_docs=False)  # fmt: skip
+        assert lay.doc_lens.max() > T  # a batch holds a document longer than a rank
+
+
+def test_price_bytes_gives_the_planner_this_hardwares_network():
+    a8 = hardware.ARCHS["llama3-8b"]
+    hw = hardware.Hardware()
+    free = sweep.planner_cost_model(a8, hw)
+    assert not free.has_network
+    cm = sweep.planner_cost_model(a8, hw, price_bytes=True)
+    stored = load_cost_model("h200+hgx_h200").for_shape(a8.shape)
+    # per CA rank (one 8-GPU node): the stored per-GPU network's byte price and overlap, every peer remote
+    assert cm.net_inter_byte_s == pytest.approx(stored.net_inter_byte_s)
+    assert cm.net_overlap_token_s == pytest.approx(stored.net_overlap_token_s, rel=1e-3)
+    assert cm.net_ranks_per_node == 1 and cm.pair_s == free.pair_s

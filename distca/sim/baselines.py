@@ -15,7 +15,7 @@ import numpy as np
 from distca import Layout
 from distca.planner.per_doc_cp import head_tail
 from distca.planner.plans import task_columns
-from distca.sim.hardware import TP, WLB_TOKEN_CAP, Arch, Hardware, fit_tokens, linear_fwd_s, recompute_mode
+from distca.sim.hardware import TP, WLB_TOKEN_CAP, Arch, Hardware, fit_tokens, linear_fwd_s, recompute_layers
 from distca.sim.step import RankCosts, step_time
 
 MIN_SHARD = 128
@@ -33,6 +33,9 @@ class WlbPlan(NamedTuple):
     """float64 [R]: bytes each rank receives (and sends) in one layer's forward KV all-gather."""
     plan_s: float
     """Seconds spent building the tasks (the planner's ``wlb_cp`` columns)."""
+    kv_bytes: np.ndarray | None = None
+    """float64 [R]: bytes of K and V each rank holds all-gathered for one layer: the whole K/V of every
+    document it computes a chunk of and that is split over more than one rank."""
 
 
 def wlb_cp(layout: Layout, c: int, shape, cm) -> WlbPlan:
@@ -60,26 +63,40 @@ def wlb_cp(layout: Layout, c: int, shape, cm) -> WlbPlan:
     k = np.bincount(pdoc, minlength=layout.num_docs)[pdoc]
     rows = layout.doc_lens[pdoc] * (k - 1) / k
     ag_bytes = np.bincount(psrv, rows * shape.kv_row, R)
-    return WlbPlan(tk, loads, ag_bytes, plan_s)
+    kv_bytes = np.bincount(psrv, np.where(k > 1, layout.doc_lens[pdoc], 0) * float(shape.kv_row), R)
+    return WlbPlan(tk, loads, ag_bytes, plan_s, kv_bytes)
 
 
-def wlb_costs(loads: np.ndarray, ag_bytes: np.ndarray, c: int, hw: Hardware, tp: int = TP) -> RankCosts:
-    """RankCosts of :func:`wlb_cp`: all-gather before attention, re-gather + reduce-scatter in backward."""
+def wlb_costs(loads: np.ndarray, ag_bytes: np.ndarray, c: int, hw: Hardware, tp: int = TP,
+              kv_bytes: np.ndarray | None = None) -> RankCosts:  # fmt: skip
+    """RankCosts of :func:`wlb_cp`: all-gather before attention, re-gather + reduce-scatter in backward.
+    Buffers (``buf_bytes``): the backward holds the gathered K and V and the gathered-size dK and dV
+    before their reduce-scatter, 2 x ``kv_bytes`` / TP per GPU."""
     R = len(loads)
     per_gpu = ag_bytes / tp  # sent == received in an all-gather
     t = (1.0 if hw.full_duplex else 2.0) * per_gpu / hw.ib_bytes_per_s
     zero = np.zeros(R)
     ring = hw.ring_latency_s(c) if float(ag_bytes.sum()) > 0 else 0.0
-    return RankCosts(loads / tp, t, zero, t, t, np.arange(R) // c, 2 * per_gpu, (ring, 0.0, ring, ring))
+    buf = 0.0 if kv_bytes is None else 2.0 * kv_bytes / tp
+    return RankCosts(loads / tp, t, zero, t, t, np.arange(R) // c, 2 * per_gpu, (ring, 0.0, ring, ring), buf_bytes=buf)
+
+
+def wlb_buffer_bound(c: int, tokens: float, shape, tp: int = TP) -> float:
+    """Bytes per GPU of per-document CP's buffers at their largest for a group of ``c`` ranks holding
+    ``tokens`` tokens each: every document of the group split over its ranks, so a rank gathers the
+    K and V of all c x ``tokens`` tokens and, in the backward, holds dK and dV of the same size before
+    their reduce-scatter (:func:`wlb_costs`); 0 without CP (c = 1)."""
+    return 0.0 if c <= 1 else 2.0 * c * tokens * shape.kv_row / tp
 
 
 def wlb_cp_step(layout: Layout, c: int, arch: Arch, tokens: int, shape, cm, hw: Hardware, sync: str,
-                recompute: str = "selective", tp: int = TP):  # fmt: skip
+                recompute: str | float = "selective", tp: int = TP):  # fmt: skip
     """:func:`wlb_cp` at CP degree ``c``, costed (:func:`wlb_costs`) and timed with and without
     overlap for ``tokens`` tokens per rank. Returns ({pingpong: (StepTime, RankCosts)}, per-rank
     loads, plan seconds, most tokens on one rank)."""
-    _, loads, ag, ps = wlb_cp(layout, c, shape, cm)
-    rc = wlb_costs(loads, ag, c, hw, tp)
+    w = wlb_cp(layout, c, shape, cm)
+    loads, ps = w.loads, w.plan_s
+    rc = wlb_costs(loads, w.ag_bytes, c, hw, tp, w.kv_bytes)
     by_pp = {pp: (step_time(rc, arch, tokens, cm.bwd_factor, pp, sync, hw, recompute=recompute, tp=tp), rc)
              for pp in (False, True)}  # fmt: skip
     return by_pp, loads, ps, tokens
@@ -87,14 +104,26 @@ def wlb_cp_step(layout: Layout, c: int, arch: Arch, tokens: int, shape, cm, hw: 
 
 def wlb_cap(arch: Arch, ctx: int, dp: int, pp: int = 1, in_flight: int = 1, hw: Hardware | None = None,
             tp: int = TP) -> float:  # fmt: skip
-    """``wlb_ideal``'s bound on a group's tokens, as a multiple of c x ``ctx``: ``hw.wlb_token_cap``, or
-    what still fits in ``hw.hbm_bytes`` under the recomputation the fixed budget needs
-    (:func:`recompute_mode`; WLB-LLM bounds its packing by memory), but never below 1 (the fixed
-    budget every policy gets)."""
+    """``wlb_ideal``'s bound on a group's tokens, as a multiple of c x ``ctx``: ``hw.wlb_token_cap``,
+    or what still fits in ``hw.hbm_bytes`` with every layer recomputed (WLB-LLM bounds its packing by
+    memory), but never below 1 (the fixed budget every policy gets). Up to it, the extra tokens cost
+    recomputation (:func:`distca.sim.hardware.recompute_layers` at the cap), not a lower cap; see
+    :func:`wlb_caps` for the alternative."""
     hw = hw or Hardware()
-    mode = recompute_mode(arch, ctx, dp, pp, in_flight, hw.hbm_bytes, tp)
-    fit = fit_tokens(arch, dp, pp, in_flight, mode, hw.hbm_bytes, tp)
+    fit = fit_tokens(arch, dp, pp, in_flight, "full", hw.hbm_bytes, tp)
     return float(min(hw.wlb_token_cap, max(1.0, fit / ctx)))
+
+
+def wlb_caps(arch: Arch, ctx: int, dp: int, pp: int = 1, in_flight: int = 1, hw: Hardware | None = None,
+             tp: int = TP) -> list[float]:  # fmt: skip
+    """The token caps ``wlb_ideal`` is tried with (the better step wins, as its CP degree does): the
+    memory-bounded cap :func:`wlb_cap` (more tokens, paid in recomputation), and the largest cap that
+    needs no more recomputed layers than the fixed budget ``ctx`` itself (never below 1)."""
+    hw = hw or Hardware()
+    hi = wlb_cap(arch, ctx, dp, pp, in_flight, hw, tp)
+    k = recompute_layers(arch, ctx, dp, pp, in_flight, hw.hbm_bytes, tp)
+    lo = float(min(hi, max(1.0, fit_tokens(arch, dp, pp, in_flight, k, hw.hbm_bytes, tp) / ctx)))
+    return [hi] if lo >= hi - 1e-9 else [hi, lo]
 
 
 def wlb_pack(doc_lens: np.ndarray, groups: int, c: int, ctx: int, arch: Arch, cm, hw: Hardware,
@@ -143,13 +172,14 @@ def _group_layout(lens: list[int], c: int) -> Layout:
 
 
 def wlb_ideal_step(layout: Layout, c: int, arch: Arch, ctx: int, shape, cm, hw: Hardware, sync: str,
-                   recompute: str = "selective", tp: int = TP):  # fmt: skip
+                   recompute: str | float = "selective", tp: int = TP, cap: float | None = None):  # fmt: skip
     """The WLB-ideal baseline at CP degree ``c``: :func:`wlb_pack` over the batch's whole documents,
     then per-document head-tail CP inside each group (:func:`wlb_cp` on the group's own layout), each
     group's linear layers on the tokens it was given. Returns ({pingpong: (StepTime, RankCosts) of
-    the slowest group}, per-rank loads of all groups, plan seconds, most tokens on one rank)."""
+    the slowest group}, per-rank loads of all groups, plan seconds, most tokens on one rank). ``cap``:
+    the packing bound (default :func:`wlb_cap`)."""
     groups = layout.ranks // c
-    cap = wlb_cap(arch, ctx, layout.ranks, hw=hw, tp=tp)
+    cap = wlb_cap(arch, ctx, layout.ranks, hw=hw, tp=tp) if cap is None else cap
     packs = wlb_pack(layout.doc_lens[~layout.is_padding], groups, c, ctx, arch, cm, hw, cap, tp)
     best: dict[bool, tuple] = {}
     loads_all, plan_s, most = [], 0.0, 0
@@ -202,7 +232,7 @@ def wlb_ideal_microbatches(mbs: list[Layout], c: int, arch: Arch, ctx: int, cap_
         glay = _group_layout(bin_lens, c)
         w = wlb_cp(glay, c, shape, cm)
         plan_s += w.plan_s
-        parts[m][g] = wlb_costs(w.loads, w.ag_bytes, c, hw, tp)
+        parts[m][g] = wlb_costs(w.loads, w.ag_bytes, c, hw, tp, w.kv_bytes)
         tokens[m, g * c : (g + 1) * c] = glay.tokens_per_rank
         loads[m, g * c : (g + 1) * c] = w.loads
     costs = [_concat_costs(row, c) for row in parts]
@@ -215,4 +245,5 @@ def _concat_costs(parts: list[RankCosts], c: int) -> RankCosts:
     R = sum(len(p.attn_fwd) for p in parts)
     lat = tuple(max(p.latency[k] for p in parts) for k in range(4))
     copy = tuple(np.concatenate([np.broadcast_to(p.copy_s[k], len(p.attn_fwd)) for p in parts]) for k in range(2))
-    return RankCosts(*cat, np.arange(R) // c, np.concatenate([p.fwd_bytes_gpu for p in parts]), lat, copy)
+    buf = np.concatenate([np.broadcast_to(p.buf_bytes, len(p.attn_fwd)) for p in parts])
+    return RankCosts(*cat, np.arange(R) // c, np.concatenate([p.fwd_bytes_gpu for p in parts]), lat, copy, buf)

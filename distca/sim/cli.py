@@ -39,10 +39,10 @@ from distca.doclens import DISTRIBUTIONS
 from distca.sim.hardware import ARCHS, HARDWARE, TP, Arch, Hardware, load_arch, load_hardware
 from distca.sim.pipeline import PP_GRID, PP_POLICIES, PP_SCHEDULES, SCHEDULE_NAMES, simulate_pp_config
 from distca.sim.report import (
-    detail_table, paper_table, plot, plot_pp, pp_paper_table, pp_summary, pp_table, summary, table,
+    detail_table, paper_table, placement_table, plot, plot_pp, pp_paper_table, pp_summary, pp_table, summary, table,
 )  # fmt: skip
 from distca.sim.sweep import POLICIES, Options, is_paper_row, simulate_config
-from distca.sim.workloads import Workload, load_workload
+from distca.sim.workloads import SYNTHETIC, Workload, load_workload
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,7 +55,8 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ap.add_argument(
         "--doclens", action="append", metavar="FILE_OR_NAME",
-        help=f"repeatable: a shipped distribution {list(DISTRIBUTIONS)} or a file of document lengths: JSON (a list "
+        help=f"repeatable: a shipped distribution {list(DISTRIBUTIONS)}, a synthetic one {list(SYNTHETIC)} (run those "
+        "with --upsample 1) or a file of document lengths: JSON (a list "
         "of lengths, {length: count}, or [length, count] pairs) or CSV (column 'length', or 'length,count'; header "
         "optional); default both shipped",
     )  # fmt: skip
@@ -123,6 +124,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--wlb-token-cap", type=float,
         help="wlb_ideal: most tokens a group may take, x c x context, before memory (default 2; 1: none more)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--price-bytes", action="store_true",
+        help="plan with the network priced: the planner's cost model gets this hardware's network model "
+        "(h200+hgx_h200's fields per CA rank; see planner_cost_model in distca/sim/sweep.py)",
     )  # fmt: skip
     ap.add_argument(
         "--max-plan-s", type=float, default=20.0, help="skip a policy at larger sizes once one plan takes longer"
@@ -209,7 +215,7 @@ def _resolve(ap: argparse.ArgumentParser, args, pp: bool) -> tuple[list[Arch], l
     opts = Options(
         policies=tuple(args.policy), seeds=args.seeds, microbatches=args.microbatches or 1, tolerance=args.tolerance,
         upsample=args.upsample, upsample_threshold=args.upsample_threshold, cut_docs=args.cut_docs, sync=args.sync,
-        max_plan_s=args.max_plan_s, pp_schedule=args.pp_schedule, tp=args.tp,
+        max_plan_s=args.max_plan_s, pp_schedule=args.pp_schedule, tp=args.tp, price_bytes=args.price_bytes,
     )  # fmt: skip
     return archs, workloads, hw, opts
 
@@ -321,9 +327,19 @@ def main(argv: list[str] | None = None) -> int:
             if "wlb_ideal" in opts.policies and "distca" in opts.policies:
                 print("\ndistca (ping-pong) against the paper's WLB-ideal (wlb_ideal), per configuration:")
                 print(paper_table(paper))
+        _print_placement(rows, opts)
         _print_details(rows, args.details)
         print(f"\n{wall:.1f} s; results in {out_dir / 'results.jsonl'}" + (f", plot {png}" if png else ""))
     return 0
+
+
+def _print_placement(rows: list[dict], opts: Options) -> None:
+    """The document placement table (report.placement_table), with ping-pong, when placement ran."""
+    if {"pack", "distca_placed"} & set(opts.policies):
+        print("\ndocument placement (ping-pong): step s; imbalance (max/mean attention load); forward MB per GPU per\n"
+              "layer at the busiest GPU; exposed s per step; distca_placed's speedups; placed = share of batches\n"
+              "whose placed order the loader kept (it keeps the stream order unless placement lowers the imbalance)\n")
+        print(placement_table(rows))
 
 
 def _print_details(rows: list[dict], details: bool | None) -> None:
@@ -386,6 +402,7 @@ def main_pp(ap: argparse.ArgumentParser, args) -> int:
                 print("\ndistca (ping-pong) against the paper's WLB-ideal (wlb_ideal), each at its best P "
                       "(distca/wlbi):")
                 print(pp_paper_table(paper))
+        _print_placement(rows, opts)
         _print_details(rows, args.details)
         print(f"\n{wall:.1f} s; results in {out_dir / 'results_pp.jsonl'}" + (f", plot {png}" if png else ""))
     return 0

@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from distca import ModelShape
 
 # ---- the shipped H200 profile (every number, with its source) ---------------------------
@@ -45,12 +47,25 @@ COST_MODEL = "h200"
 to forward + backward kernel times measured on one H200 (``docs/gpu.md``). Backward =
 ``bwd_factor`` x forward."""
 
-OP_OVERHEAD_S = (0.81e-3, 1.62e-3)
-"""Seconds per ``core_attention`` call (forward, backward) beyond its kernels, measured on one H200
-(``docs/data/gpu_check_h200/op_check.json``: the op against the bare varlen kernel on the same
-tasks, 16K tokens, 6 documents, Llama-3-8B heads, group of 1: forward 3.31 vs 2.50 ms,
-forward + backward 11.68 vs 9.26 ms). Charged per layer and per call (two with ping-pong) to the
-policies that run on distca's op; the WLB baselines run on their own CP and are charged none."""
+OP_OVERHEAD_S_EXCHANGE = (0.81e-3, 1.62e-3)
+"""Seconds per ``core_attention`` call (forward, backward) beyond its kernels as measured on one H200
+on 2026-11-29 (``docs/data/gpu_check_h200/op_check.json``: the op against the bare varlen kernel on
+the same tasks, 16K tokens, 6 documents, Llama-3-8B heads, group of 1: forward 3.31 vs 2.50 ms,
+forward + backward 11.68 vs 9.26 ms), with the runtime of that day, which gathered, packed, unpacked
+and copied back every row even when no row moved. Kept as a sensitivity point:
+``--op-overhead-scale 2`` charges it (it is exactly twice :data:`OP_OVERHEAD_S`)."""
+
+OP_OVERHEAD_S = (0.405e-3, 0.81e-3)
+"""Seconds per ``core_attention`` call (forward, backward) beyond its kernels: an estimate for the
+in-place runtime, derived (no GPU measured it). On CPU, the same op-against-bare-kernel measurement
+(``scripts/bench_attention.py --overhead``, ``docs/core_attention.md``) gave 9-15 % forward overhead
+on whole and mixed layouts with the exchange runtime (group of 1, the GPU check's case) and at most
++4.5 % with the in-place runtime (every layout and run since, forward; forward + backward -1.5 to
++1.2 %): the op's own cost fell by a factor of at least 2 (9 % -> 4.5 %, the least favourable pair;
+the central values, ~12 % -> ~2 %, say 5x). This takes the conservative factor 2 on the measured
+GPU figure :data:`OP_OVERHEAD_S_EXCHANGE`, the backward twice the forward as measured. Charged per
+layer and per call (two with ping-pong) to the policies that run on distca's op; the WLB baselines
+run on their own CP and are charged none."""
 
 A2A_BASE_LATENCY_S = 8.4e-6
 """Seconds of fixed cost per NCCL collective launch (NCCL's own tuning model, ``baseLat`` of the
@@ -325,60 +340,105 @@ def _read_json_object(p: Path, arg: str) -> dict:
 # ---- memory and linear-layer time --------------------------------------------------------
 
 
-def memory_per_gpu(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int = 1, recompute: str = "selective",
-                   hbm: float = HBM_BYTES, tp: int = TP) -> dict:  # fmt: skip
-    """Estimated peak bytes per GPU of one step (no CA buffers): activations of ``in_flight``
-    micro-batches of ``tokens`` tokens per TP group over the stage's layers, plus model states with
-    Megatron's distributed optimizer: bf16 parameters and gradients (4 bytes / parameter) sharded over
-    TP x PP, fp32 master weights and Adam moments (12 bytes / parameter) also over DP.
+def memory_per_gpu(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int = 1, recompute: str | int = "selective",
+                   hbm: float = HBM_BYTES, tp: int = TP, buffer_bytes: float = 0.0) -> dict:  # fmt: skip
+    """Estimated peak bytes per GPU of one step: activations of ``in_flight`` micro-batches of
+    ``tokens`` tokens per TP group over the stage's layers, plus model states with Megatron's
+    distributed optimizer: bf16 parameters and gradients (4 bytes / parameter) sharded over TP x PP,
+    fp32 master weights and Adam moments (12 bytes / parameter) also over DP, plus ``buffer_bytes``:
+    one layer's communication buffers per GPU (transient, one layer at a time: distca's send and
+    receive buffers, per-document CP's all-gathered K/V).
 
     ``recompute="selective"``: ``ACT_BYTES_PER_TOKEN_HIDDEN`` s h / t per layer kept. ``"full"``: only
     each layer's input (``ACT_FULL_BYTES_PER_TOKEN_HIDDEN`` s h / t) is kept, plus one layer's
-    selective working set while it is recomputed.
+    selective working set while it is recomputed. An int k (0 .. layers of the stage): k layers
+    recomputed in full, the others selective (k = 0 is ``"selective"``, all layers ``"full"``).
 
-    Returns ``activation_gib``, ``model_state_gib``, ``memory_gib`` and ``fits_memory`` (total
-    <= ``hbm`` bytes).
+    Returns ``activation_gib``, ``model_state_gib``, ``buffer_gib``, ``memory_gib`` and
+    ``fits_memory`` (total <= ``hbm`` bytes).
     """
-    layers = arch.layers / pp
-    sh = tokens * arch.hidden / tp
+    stage = arch.layers // pp if arch.layers % pp == 0 else arch.layers / pp
     if recompute == "selective":
-        act = ACT_BYTES_PER_TOKEN_HIDDEN * sh * layers * in_flight
+        k = 0
     elif recompute == "full":
-        act = ACT_FULL_BYTES_PER_TOKEN_HIDDEN * sh * layers * in_flight + ACT_BYTES_PER_TOKEN_HIDDEN * sh
+        k = stage
+    elif isinstance(recompute, (int, np.integer)) and not isinstance(recompute, bool) and 0 <= recompute <= stage:
+        k = int(recompute)
     else:
-        raise ValueError(f"recompute must be 'selective' or 'full', got {recompute!r}")
+        raise ValueError(f"recompute must be 'selective', 'full' or a layer count in [0, {stage}], got {recompute!r}")
+    sh = tokens * arch.hidden / tp
+    act = (ACT_BYTES_PER_TOKEN_HIDDEN * (stage - k) + ACT_FULL_BYTES_PER_TOKEN_HIDDEN * k) * sh * in_flight
+    if k:
+        act += ACT_BYTES_PER_TOKEN_HIDDEN * sh  # one layer's selective working set while it reruns
     states = arch.params * (4.0 / (tp * pp) + 12.0 / (tp * pp * dp))
     gib = float(1 << 30)
+    total = act + states + buffer_bytes
     return {
         "activation_gib": act / gib,
         "model_state_gib": states / gib,
-        "memory_gib": (act + states) / gib,
-        "fits_memory": bool(act + states <= hbm),
+        "buffer_gib": buffer_bytes / gib,
+        "memory_gib": total / gib,
+        "fits_memory": bool(total <= hbm),
     }
+
+
+def recompute_layers(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int = 1, hbm: float = HBM_BYTES,
+                     tp: int = TP, buffer_bytes: float = 0.0) -> int:  # fmt: skip
+    """The fewest layers of a stage (0 .. layers / pp) whose full recomputation makes ``tokens`` per
+    rank fit in ``hbm`` bytes (:func:`memory_per_gpu` with an int ``recompute``); every layer when
+    even that does not fit (the row then says ``fits_memory: false``). Each recomputed layer costs
+    one more forward of that layer (:func:`distca.sim.step.step_time`)."""
+    stage = arch.layers // pp
+    for k in range(stage + 1):
+        if memory_per_gpu(arch, tokens, dp, pp, in_flight, k, hbm, tp, buffer_bytes)["fits_memory"]:
+            return k
+    return stage
+
+
+def rerun_share(recompute: str | float) -> float:
+    """Share of layers whose forward reruns in the backward: ``"selective"`` 0, ``"full"`` 1, or a
+    number in [0, 1] (recomputed layers / layers)."""
+    if recompute == "selective":
+        return 0.0
+    if recompute == "full":
+        return 1.0
+    f = float(recompute)
+    if not 0.0 <= f <= 1.0:
+        raise ValueError(f"recompute must be 'selective', 'full' or a share in [0, 1], got {recompute!r}")
+    return f
 
 
 def recompute_mode(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int = 1, hbm: float = HBM_BYTES,
                    tp: int = TP) -> str:  # fmt: skip
-    """The cheapest activation recomputation under which ``tokens`` per rank fit: ``"selective"``, else
-    ``"full"`` (which costs one more forward per layer, :func:`distca.sim.step.step_time`). ``"full"``
-    also when even that does not fit (the row then says ``fits_memory: false`` and reports no
-    speedup)."""
+    """The all-or-nothing choice: ``"selective"`` if ``tokens`` per rank fit with it, else ``"full"``
+    (:func:`recompute_layers` is the per-layer choice the simulator charges)."""
     fits = memory_per_gpu(arch, tokens, dp, pp, in_flight, hbm=hbm, tp=tp)["fits_memory"]
     return "selective" if fits else "full"
 
 
-def memory_fields(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int = 1, recompute: str | None = None,
-                  hbm: float = HBM_BYTES, tp: int = TP) -> dict:  # fmt: skip
-    """:func:`memory_per_gpu` under ``recompute`` (default: :func:`recompute_mode`), with ``recompute``."""
-    mode = recompute or recompute_mode(arch, tokens, dp, pp, in_flight, hbm, tp)
-    return {**memory_per_gpu(arch, tokens, dp, pp, in_flight, mode, hbm, tp), "recompute": mode}
+def recompute_label(k: int, stage: int) -> str:
+    """``"selective"`` (no layer recomputed), ``"full"`` (all) or ``"partial"``."""
+    return "selective" if k == 0 else "full" if k >= stage else "partial"
 
 
-def fit_tokens(arch: Arch, dp: int, pp: int = 1, in_flight: int = 1, recompute: str = "selective",
-               hbm: float = HBM_BYTES, tp: int = TP) -> float:  # fmt: skip
+def memory_fields(arch: Arch, tokens: int, dp: int, pp: int = 1, in_flight: int = 1, recompute: str | int | None = None,
+                  hbm: float = HBM_BYTES, tp: int = TP, buffer_bytes: float = 0.0) -> dict:  # fmt: skip
+    """:func:`memory_per_gpu` under ``recompute`` (default: the fewest layers that fit,
+    :func:`recompute_layers`), with ``recompute`` (``selective``, ``partial`` or ``full``),
+    ``recompute_layers`` (layers of the stage recomputed) and ``recompute_share`` (their share)."""
+    stage = arch.layers // pp
+    if recompute is None:
+        recompute = recompute_layers(arch, tokens, dp, pp, in_flight, hbm, tp, buffer_bytes)
+    k = 0 if recompute == "selective" else stage if recompute == "full" else int(recompute)
+    return {**memory_per_gpu(arch, tokens, dp, pp, in_flight, k, hbm, tp, buffer_bytes),
+            "recompute": recompute_label(k, stage), "recompute_layers": k, "recompute_share": k / stage}  # fmt: skip
+
+
+def fit_tokens(arch: Arch, dp: int, pp: int = 1, in_flight: int = 1, recompute: str | int = "selective",
+               hbm: float = HBM_BYTES, tp: int = TP, buffer_bytes: float = 0.0) -> float:  # fmt: skip
     """Tokens per rank and micro-batch at which :func:`memory_per_gpu` reaches ``hbm`` bytes."""
-    m0 = memory_per_gpu(arch, 0, dp, pp, in_flight, recompute, tp=tp)
-    m1 = memory_per_gpu(arch, 1, dp, pp, in_flight, recompute, tp=tp)
+    m0 = memory_per_gpu(arch, 0, dp, pp, in_flight, recompute, tp=tp, buffer_bytes=buffer_bytes)
+    m1 = memory_per_gpu(arch, 1, dp, pp, in_flight, recompute, tp=tp, buffer_bytes=buffer_bytes)
     gib = float(1 << 30)
     return (hbm - m0["memory_gib"] * gib) / ((m1["memory_gib"] - m0["memory_gib"]) * gib)
 

@@ -16,10 +16,12 @@ from typing import NamedTuple
 import numpy as np
 
 from distca import Layout, load_cost_model, plan, split_nano_batches
-from distca.sim.baselines import wlb_cap, wlb_costs, wlb_cp, wlb_ideal_microbatches
-from distca.sim.hardware import TP, Arch, Hardware, head_fwd_s, linear_fwd_s, memory_fields, recompute_mode
+from distca.sim.baselines import wlb_caps, wlb_costs, wlb_cp, wlb_ideal_microbatches
+from distca.sim.hardware import (
+    TP, Arch, Hardware, head_fwd_s, linear_fwd_s, memory_fields, recompute_layers, rerun_share,
+)  # fmt: skip
 from distca.sim.step import RankCosts, _phase, _phase_pair, rank_costs
-from distca.sim.sweep import Options, _add_speedups, paper_range_4d
+from distca.sim.sweep import PLACED, Options, _add_speedups, paper_range_4d, placed_layout, planner_cost_model
 from distca.sim.workloads import Workload, build_layout
 
 # Two schedules (--pp-schedule):
@@ -42,7 +44,7 @@ SCHEDULE_NAMES = {"1f1b": "tick-synchronous 1F1B", "gpipe": "tick-synchronous GP
 (``tick_1f1b`` or ``tick_gpipe``), and the matching dependency-graph schedule of the baselines without
 it (Megatron's 1F1B or GPipe)."""
 
-PP_POLICIES = ("colocated", "wlb_cp", "wlb_ideal", "distca_stage", "greedy", "distca")
+PP_POLICIES = ("colocated", "wlb_cp", "wlb_ideal", "distca_stage", "greedy", "distca", "pack", "distca_placed")
 """``--pp`` policies. Without CAD across stages, each stage computing its own micro-batch's attention
 and scheduled as a dependency graph (no tick barrier; Megatron's 1F1B, or GPipe with ``--pp-schedule
 gpipe``): ``colocated`` (each DP rank of a stage
@@ -51,11 +53,13 @@ serves its own queries), ``wlb_cp`` (CP groups of c ranks inside a stage, c grid
 per-document CP in groups of c, c grid-searched: :func:`wlb_ideal_microbatches`) and ``distca_stage``
 (distca over one stage's DP ranks, 3D CAD inside each stage). With CAD over the whole DP x PP group,
 tick-synchronous: ``greedy`` and ``distca``, one plan per forward and one per backward sub-tick (1F1B;
-GPipe: one per tick, reused by its backward)."""
+GPipe: one per tick, reused by its backward). With document placement over the step's M
+micro-batches first (``distca.place(..., micro_batches=M)``): ``pack`` (then ``colocated``, Megatron's
+schedule) and ``distca_placed`` (then ``distca``, tick-synchronous)."""
 
-TICK_POLICIES = ("greedy", "distca")
+TICK_POLICIES = ("greedy", "distca", "distca_placed")
 
-PP_BASELINES = ("wlb_cp", "wlb_ideal", "colocated", "distca_stage")
+PP_BASELINES = ("wlb_cp", "wlb_ideal", "colocated", "distca_stage", "pack", "distca")
 """The policies each --pp row carries a ``speedup_vs_<base>`` against."""
 """Policies planned once per tick over all R = DP x PP ranks (idle stages' ranks are servers)."""
 
@@ -295,7 +299,7 @@ def pp_graph_step(
     sub-ticks (:func:`pp_subticks`, each its own direction's compute).
     """
     M, DP = fwd_layer.shape
-    reruns = 2 if recompute == "full" else 1
+    reruns = 1.0 + rerun_share(recompute)
     bwd_layer = bwd_layer + (reruns - 1) * fwd_layer
     lin = np.broadcast_to(np.asarray(lin_f, dtype=np.float64), (M, DP))
     head = np.broadcast_to(np.asarray(head_f, dtype=np.float64), (M, DP))
@@ -338,7 +342,7 @@ def pp_tick_step(
     the step is the sum over t of both. One P2P transfer per tick boundary, exposed. ``op_overhead``
     (per layer, as in :func:`step_time`) is paid by every rank: idle stages' ranks run the op as
     servers. ``recompute="full"``: each backward tick first reruns the forward tick's layers."""
-    reruns = 2 if recompute == "full" else 1
+    reruns = 1.0 + rerun_share(recompute)
     step, sp, sp_all, comp_total, bound = 0.0, [], [], 0.0, 0.0
     R = len(ticks[0][1])
     for c, active in ticks:
@@ -377,7 +381,7 @@ def pp_subtick_step(
     (:func:`pp_p2p_transfers`). ``op_overhead`` (per layer, as in :func:`step_time`) is paid by every
     rank: idle stages' ranks run the op as servers. Spread, idle share and bound as in
     :func:`pp_tick_step`, per sub-tick and its own direction's compute."""
-    reruns = 2 if recompute == "full" else 1
+    reruns = 1.0 + rerun_share(recompute)
     step, sp, sp_all, comp_total, bound = 0.0, [], [], 0.0, 0.0
     R = len(subticks[0][2])
     DP = R // pp
@@ -415,6 +419,7 @@ def simulate_pp_config(arch: Arch, workload: Workload, gpus: int, ctx: int, pp: 
     R = gpus // tp
     DP, layers = R // pp, arch.layers // pp
     cm = load_cost_model(hw.cost_model).for_shape(shape)
+    pcm = planner_cost_model(arch, hw, tp, opts.price_bytes)
     lin_f, head_f, p2p = linear_fwd_s(arch, ctx, hw, tp), head_fwd_s(arch, ctx, hw, tp), p2p_s(arch, ctx, hw, tp)
     bf = cm.bwd_factor
     cps = [1 << k for k in range(int(math.log2(DP)) + 1) if DP % (1 << k) == 0]
@@ -424,36 +429,45 @@ def simulate_pp_config(arch: Arch, workload: Workload, gpus: int, ctx: int, pp: 
     # Memory: the tick policies hold min(M, 2 (P - s) - 1) micro-batches on stage s under tick-synchronous
     # 1F1B, all M under GPipe ticks; the baselines without CAD run Megatron's 1F1B for memory, min(M, P - s)
     # (also with --pp-schedule gpipe, as before). The worst stage (s = 0) sets each side's recomputation:
-    # the cheapest its own schedule fits with.
+    # the fewest recomputed layers its own schedule fits with (wlb_ideal: at its token cap, each cap tried).
+    # (Communication buffers are not counted under --pp, for any policy.)
     per_stage = {"tick": in_flight_per_stage(sched, pp, mb), "graph": in_flight_per_stage(sched, pp, mb, cad=False)}
     flight = {k: max(v) for k, v in per_stage.items()}
-    mode = {k: recompute_mode(arch, ctx, DP, pp, n, hw.hbm_bytes, tp) for k, n in flight.items()}
-    wlb_ratio = wlb_cap(arch, ctx, DP, pp, flight["graph"], hw, tp)
+    kl = {k: recompute_layers(arch, ctx, DP, pp, n, hw.hbm_bytes, tp) for k, n in flight.items()}
+    mode = {k: v / layers for k, v in kl.items()}
+    wlb_ratios = wlb_caps(arch, ctx, DP, pp, flight["graph"], hw, tp)
+    wlb_kl = {r: recompute_layers(arch, int(r * ctx), DP, pp, flight["graph"], hw.hbm_bytes, tp) for r in wlb_ratios}
 
-    def graph(costs, groups, imb, ms, extra=None, op=False, lin=lin_f, head=head_f):
+    def graph(costs, groups, imb, ms, extra=None, op=False, lin=lin_f, head=head_f, share=None):
         for ppg in (False, True):
             ovh = hw.op_overhead(ppg) if op else (0.0, 0.0)
             lin_m = np.broadcast_to(lin, (mb, DP))
             fb = [_layer_phases(c, lin_m[m], bf, ppg, ovh) for m, c in enumerate(costs)]
             st = pp_graph_step(
                 np.stack([x[0] for x in fb]), np.stack([x[1] for x in fb]), np.stack([c.attn_fwd for c in costs]),
-                groups, pp, layers, lin, head, bf, p2p, mode["graph"], sched,
+                groups, pp, layers, lin, head, bf, p2p, mode["graph"] if share is None else share, sched,
             )  # fmt: skip
             yield ppg, (st, imb, ms, extra)
 
     for seed in range(opts.seeds):
-        mbs = [build_layout(workload.lengths, DP, ctx, seed * mb + m, **opts.sampling()) for m in range(mb)]
+        raw = [build_layout(workload.lengths, DP, ctx, seed * mb + m, **opts.sampling()) for m in range(mb)]
+        placed = None
         for policy in opts.policies:
-            if policy in ("colocated", "distca_stage"):
+            mbs = raw
+            if policy in PLACED:
+                if placed is None:
+                    placed = placed_layout(raw, pcm, shape)
+                mbs = placed[0]
+            if policy in ("colocated", "distca_stage", "pack"):
                 costs, imb, ms = [], [], 0.0
                 for lay in mbs:
                     t0 = time.perf_counter()
-                    p = plan(lay, "colocated" if policy == "colocated" else "distca",
-                             tolerance=opts.tolerance, shape=shape, cost_model=hw.cost_model)  # fmt: skip
+                    p = plan(lay, "distca" if policy == "distca_stage" else "colocated",
+                             tolerance=opts.tolerance, shape=shape, cost_model=pcm)  # fmt: skip
                     ms += (time.perf_counter() - t0) * 1e3
                     costs.append(rank_costs(p.loads, p.traffic, shape, np.zeros(DP, dtype=np.int64), hw, tp))
                     imb.append(p.imbalance)
-                groups = np.arange(DP) if policy == "colocated" else np.zeros(DP, dtype=np.int64)
+                groups = np.zeros(DP, dtype=np.int64) if policy == "distca_stage" else np.arange(DP)
                 for ppg, item in graph(costs, groups, float(np.mean(imb)), ms / mb, op=True):
                     acc.setdefault((policy, ppg), []).append(item)
             elif policy in ("wlb_cp", "wlb_ideal"):
@@ -467,13 +481,16 @@ def simulate_pp_config(arch: Arch, workload: Workload, gpus: int, ctx: int, pp: 
                             costs.append(wlb_costs(w.loads, w.ag_bytes, c, hw, tp))
                             imb.append(_spread(w.loads))
                         items = graph(costs, np.arange(DP) // c, float(np.mean(imb)), ms / mb, (c, 1.0))
+                        items = list(items)
                     else:
-                        w = wlb_ideal_microbatches(mbs, c, arch, ctx, wlb_ratio, shape, cm, hw, tp)
-                        lin = np.vectorize(lambda n: linear_fwd_s(arch, int(n), hw, tp))(w.tokens)  # max(): scalars
-                        head = head_fwd_s(arch, w.tokens, hw, tp)
-                        extra = (c, float(w.tokens.max()) / ctx)  # its largest micro-batch, for memory
-                        items = graph(w.costs, np.arange(DP) // c, _spread(w.loads), w.plan_s * 1e3 / mb, extra,
-                                      lin=lin, head=head)  # fmt: skip
+                        items = []
+                        for ratio in wlb_ratios:
+                            w = wlb_ideal_microbatches(mbs, c, arch, ctx, ratio, shape, cm, hw, tp)
+                            lin = np.vectorize(lambda n: linear_fwd_s(arch, int(n), hw, tp))(w.tokens)  # max(): scalars
+                            head = head_fwd_s(arch, w.tokens, hw, tp)
+                            extra = (c, float(w.tokens.max()) / ctx, ratio, wlb_kl[ratio])  # for memory
+                            items += graph(w.costs, np.arange(DP) // c, _spread(w.loads), w.plan_s * 1e3 / mb, extra,
+                                           lin=lin, head=head, share=wlb_kl[ratio] / layers)  # fmt: skip
                     for ppg, item in items:
                         if ppg not in best or item[0].step_s < best[ppg][0].step_s:
                             best[ppg] = item
@@ -485,7 +502,7 @@ def simulate_pp_config(arch: Arch, workload: Workload, gpus: int, ctx: int, pp: 
                 for t in range(n_ticks):
                     lay, active = tick_layout(mbs, t, pp)
                     t0 = time.perf_counter()
-                    p = plan(lay, policy, tolerance=opts.tolerance, shape=shape, cost_model=hw.cost_model)
+                    p = plan(lay, PLACED.get(policy, policy), tolerance=opts.tolerance, shape=shape, cost_model=pcm)
                     ms += (time.perf_counter() - t0) * 1e3
                     ticks.append((rank_costs(p.loads, p.traffic, shape, np.zeros(R, dtype=np.int64), hw, tp), active))
                     imb.append(p.imbalance)
@@ -505,7 +522,8 @@ def simulate_pp_config(arch: Arch, workload: Workload, gpus: int, ctx: int, pp: 
                             parts = [None if m is None else (mbs[m] if n is None else nanos[m][n]) for m in assign]
                             lay, active = stage_layout(parts, DP, ctx if n is None else ctx // 2)
                             t0 = time.perf_counter()
-                            p = plan(lay, policy, tolerance=opts.tolerance, shape=shape, cost_model=hw.cost_model)
+                            p = plan(lay, PLACED.get(policy, policy), tolerance=opts.tolerance, shape=shape,
+                                     cost_model=pcm)  # fmt: skip
                             ms += (time.perf_counter() - t0) * 1e3
                             costs.append(rank_costs(p.loads, p.traffic, shape, np.zeros(R, dtype=np.int64), hw, tp))
                             imb.append(p.imbalance)
@@ -532,7 +550,7 @@ def simulate_pp_config(arch: Arch, workload: Workload, gpus: int, ctx: int, pp: 
             "imbalance": float(np.mean([i[1] for i in items])), "plan_ms": float(np.mean([i[2] for i in items])),
             "in_flight": flight[side], "in_flight_per_stage": per_stage[side],
             "p2p_transfers": pp_p2p_transfers(sched, pp, mb) if side == "tick" else None,
-            **memory_fields(arch, ctx, DP, pp, flight[side], mode[side], hw.hbm_bytes, tp),
+            **memory_fields(arch, ctx, DP, pp, flight[side], kl[side], hw.hbm_bytes, tp),
             "settings": settings,
         }  # fmt: skip
         if policy in TICK_POLICIES:
@@ -542,9 +560,12 @@ def simulate_pp_config(arch: Arch, workload: Workload, gpus: int, ctx: int, pp: 
             row["cp"] = max(sorted(set(cs)), key=cs.count)
         if policy == "wlb_ideal":
             # Variable-length packing can hold more tokens on a rank than ctx: its memory follows them.
-            ratio = max(i[3][1] for i in items)
-            row["max_tokens_ratio"] = ratio
-            row.update(memory_fields(arch, int(ratio * ctx), DP, pp, flight[side], mode[side], hw.hbm_bytes, tp))
+            # Its memory at its token cap (each seed's chosen cap), under the most recomputation any needed.
+            worst = max(items, key=lambda i: (i[3][3], i[3][2]))[3]
+            row["max_tokens_ratio"] = max(i[3][1] for i in items)
+            caps = [i[3][2] for i in items]
+            row["wlb_cap"] = max(sorted(set(caps)), key=caps.count)
+            row.update(memory_fields(arch, int(worst[2] * ctx), DP, pp, flight[side], worst[3], hw.hbm_bytes, tp))
         rows.append(row)
     _add_speedups(rows, PP_BASELINES)
     p4 = paper_range_4d(arch, workload)

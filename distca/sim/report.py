@@ -12,16 +12,19 @@ from distca.sim.pipeline import PP_POLICIES, SCHEDULE_NAMES
 from distca.sim.sweep import PAPER_3D, PAPER_4D, POLICIES, _ratio_ci95, speedup
 
 def _mem(r: dict) -> str:
-    """A row's memory mark: ``sel`` (fits with selective recomputation), ``full`` (needs full
-    recomputation, which its step time pays), ``!mem`` (does not fit even then: no speedup)."""
+    """A row's memory mark: ``sel`` (fits with selective recomputation), ``pK`` (fits with K layers
+    of the stage recomputed in full, which its step time pays), ``full`` (needs every layer
+    recomputed), ``!mem`` (does not fit even then: no speedup)."""
     if not r.get("fits_memory", True):
         return "!mem"
+    if r.get("recompute") == "partial":
+        return f"p{r.get('recompute_layers', '?')}"
     return "full" if r.get("recompute") == "full" else "sel"
 
 
-_MEM_NOTE = ("full: the estimated peak memory per GPU with selective recomputation is above the GPU's (--hbm-gb), "
-             "so the step recomputes every layer's forward in its backward (charged); !mem: above it even then "
-             "(no speedup reported)")  # fmt: skip
+_MEM_NOTE = ("pK / full: the estimated peak memory per GPU with selective recomputation is above the GPU's "
+             "(--hbm-gb), so the step recomputes the forward of the fewest layers that fit (K of them, or every "
+             "layer) in its backward (charged); !mem: above it even with every layer (no speedup reported)")  # fmt: skip
 
 
 def _k(n: int) -> str:
@@ -97,12 +100,12 @@ def summary(rows: list[dict]) -> str:
                 r for k, r in sel.items() if k[:3] == (model, dist, ctx) and k[4] == pp and r.get(f"speedup_vs_{base}")
             ]
             v = [r[f"speedup_vs_{base}"] for r in rs]
-            oom = "*" if any(_mem(r) == "full" for r in rs) else ""
+            oom = "*" if any(_mem(r) != "sel" for r in rs) else ""
             cells.append(f"{min(v):.2f}-{max(v):.2f}{oom}" if v else "-")
         p3 = PAPER_3D[dist]  # callers pass the paper's rows only
         out.append(f"{model:<10} {dist:<8} {_k(ctx):>4} | " + " ".join(f"{c:>15}" for c in cells) + f" | {p3[0]:.2f}-{p3[1]:.2f}")
-    if any(_mem(r) == "full" for r in sel.values()):
-        out.append("* includes configurations with full recomputation (see the table's full)")
+    if any(_mem(r) != "sel" for r in sel.values()):
+        out.append("* includes configurations with partial or full recomputation (see the table's pK / full)")
     return "\n".join(out)
 
 
@@ -421,3 +424,40 @@ def detail_table(rows: list[dict]) -> str:
         out.append("does not fit: the estimated memory per GPU exceeds the GPU's even with full recomputation "
                    "(--hbm-gb); its step time is what it would take, and no speedup is reported against it")  # fmt: skip
     return "\n".join(out).rstrip()
+
+
+def placement_table(rows: list[dict], pingpong: bool = True) -> str:
+    """Document placement side by side per (model, doclens, GPUs, context), all policies with the same
+    ping-pong setting (3D or --pp rows; --pp: per P): step seconds of distca, distca_placed, pack,
+    wlb_ideal and colocated; imbalance (max / mean attention load) of colocated, pack, distca and
+    distca_placed; forward MB per GPU per layer at the busiest GPU (3D rows) of distca, distca_placed
+    and pack; distca's and distca_placed's exposed seconds per step (3D); distca_placed's speedup over
+    wlb_ideal, distca and pack; the share of batches placement was kept for (the loader's rule)."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        if "step_s" in r and r["pingpong"] == pingpong:
+            key = (r["model"], r["doclens"], r["gpus"], r["context"], r.get("pp", 0))
+            groups.setdefault(key, {})[r["policy"]] = r
+    wm, wd = _widths(rows)
+    pols = ("distca", "distca_placed", "pack", "wlb_ideal", "colocated")
+    head = (f"{'model':<{wm}} {'doclens':<{wd}} {'gpus':>4} {'ctx':>4} {'P':>2} | "
+            + " ".join(f"{n:>7}" for n in ("dca", "dca+pl", "pack", "wlbi", "coloc"))
+            + f" | {'imb col':>7} {'pack':>6} {'dca':>6} {'dca+pl':>6} | {'MB dca':>7} {'dca+pl':>7} {'pack':>6} | "
+            f"{'exp dca':>7} {'dca+pl':>6} | {'x wlbi':>6} {'x dca':>6} {'x pack':>6} | {'placed':>6}")  # fmt: skip
+    out = [head, "-" * len(head)]
+    for key in sorted(groups):
+        g = groups[key]
+        model, dist, gpus, ctx, P = key
+        get = lambda p, f, spec=".2f", k=1.0: _fmt(None if g.get(p, {}).get(f) is None else g[p][f] * k, spec)  # noqa: E731
+        dp = g.get("distca_placed", {})
+        out.append(
+            f"{model:<{wm}} {dist:<{wd}} {gpus:>4} {_k(ctx):>4} {P or '-':>2} | "
+            + " ".join(f"{get(p, 'step_s'):>7}" for p in pols)
+            + f" | {get('colocated', 'imbalance'):>7} {get('pack', 'imbalance'):>6} {get('distca', 'imbalance', '.3f'):>6} "
+            f"{get('distca_placed', 'imbalance', '.3f'):>6} | {get('distca', 'max_gpu_fwd_bytes', '.0f', 1e-6):>7} "
+            f"{get('distca_placed', 'max_gpu_fwd_bytes', '.0f', 1e-6):>7} {get('pack', 'max_gpu_fwd_bytes', '.0f', 1e-6):>6} | "
+            f"{get('distca', 'exposed_s'):>7} {get('distca_placed', 'exposed_s'):>6} | "
+            f"{_fmt(dp.get('speedup_vs_wlb_ideal')):>6} {_fmt(dp.get('speedup_vs_distca')):>6} "
+            f"{_fmt(dp.get('speedup_vs_pack')):>6} | {get('pack', 'placed_share'):>6}"
+        )
+    return "\n".join(out)

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from distca.sim.hardware import TP, Arch, Hardware, head_fwd_s, linear_fwd_s
+from distca.sim.hardware import TP, Arch, Hardware, head_fwd_s, linear_fwd_s, rerun_share
 
 
 class RankCosts(NamedTuple):
@@ -37,6 +37,9 @@ class RankCosts(NamedTuple):
     copy_s: tuple = (0.0, 0.0)
     """Seconds per layer (fwd, bwd; scalars or [R]) of packing and unpacking exchanged rows, on the
     compute stream (not overlapped)."""
+    buf_bytes: np.ndarray | float = 0.0
+    """Bytes per GPU of one layer's communication buffers (scalar or [R]), held one layer at a time:
+    the memory model adds the largest (:func:`distca.sim.hardware.memory_per_gpu`)."""
 
 
 def rank_costs(loads, tr, shape, groups, hw: Hardware, tp: int = TP) -> RankCosts:
@@ -78,6 +81,8 @@ def rank_costs(loads, tr, shape, groups, hw: Hardware, tp: int = TP) -> RankCost
         fwd_bytes_gpu=fwd_b,
         latency=(lat, lat, lat, lat),
         copy_s=(2.0 * fwd_b / hw.hbm_bytes_per_s, 2.0 * bwd_b / hw.hbm_bytes_per_s),
+        # The runtime's send and receive buffers of the layer's larger direction (the backward's).
+        buf_bytes=np.maximum(fwd_b, bwd_b),
     )
 
 
@@ -147,7 +152,7 @@ class StepTime:
 
 def step_time(
     c: RankCosts, arch: Arch, tokens: int, bwd_factor: float, pingpong: bool, sync: str, hw: Hardware,
-    op_overhead: tuple[float, float] = (0.0, 0.0), recompute: str = "selective", tp: int = TP,
+    op_overhead: tuple[float, float] = (0.0, 0.0), recompute: str | float = "selective", tp: int = TP,
 ) -> StepTime:  # fmt: skip
     """Step time of one micro-batch of ``tokens`` tokens per CA rank.
 
@@ -157,7 +162,8 @@ def step_time(
     all-to-all is a collective), i.e. per-phase maxima within each group.
     ``op_overhead``: seconds per layer (forward, backward) every rank spends in the CA runtime
     beyond its kernels (``Hardware.op_overhead_s`` per call), on the compute stream.
-    ``recompute="full"``: the backward of every layer first reruns its forward, communication included.
+    ``recompute="full"``: the backward of every layer first reruns its forward, communication included;
+    a number f in [0, 1]: that share of the layers does (partial recomputation, :func:`recompute_layers`).
     """
     lin_f = linear_fwd_s(arch, tokens, hw, tp)
     lin_b = 2.0 * lin_f
@@ -168,7 +174,7 @@ def step_time(
     attn_f = attn_f + op_overhead[0] + c.copy_s[0]
     lat = c.latency
     fwd = _phase(lin_f, attn_f, df, rf, pingpong, lat[:2])
-    reruns = 2 if recompute == "full" else 1
+    reruns = 1.0 + rerun_share(recompute)
     per_layer = reruns * fwd + _phase(lin_b, attn_b, db, rb, pingpong, lat[2:])
     r = int(np.argmax(per_layer))
     head = 3.0 * head_fwd_s(arch, tokens, hw, tp)

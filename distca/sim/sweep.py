@@ -13,21 +13,29 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distca import load_cost_model, plan
-from distca.sim.baselines import wlb_cp_step, wlb_ideal_step
-from distca.sim.hardware import ARCHS, TP, Arch, Hardware, memory_fields, recompute_mode
+import dataclasses
+
+from distca import load_cost_model, place, plan
+from distca.sim.baselines import wlb_buffer_bound, wlb_caps, wlb_cp_step, wlb_ideal_step
+from distca.sim.hardware import ARCHS, TP, Arch, Hardware, linear_fwd_s, memory_fields, recompute_layers
 from distca.sim.step import rank_costs, step_time
 from distca.sim.workloads import Workload, build_layout
 
-POLICIES = ("colocated", "per_doc_cp", "wlb_cp", "wlb_ideal", "greedy", "distca")
+POLICIES = ("colocated", "per_doc_cp", "wlb_cp", "wlb_ideal", "greedy", "distca", "pack", "distca_placed")
 """Policies. ``wlb_cp``: the planner's per-document CP inside CP groups of c ranks (DP = R / c),
 with c the best power of two for the step time here (the paper grid-searches DP x CP), costed with
 tokens re-sharded so only K and V move (:func:`distca.sim.baselines.wlb_cp`). ``wlb_ideal``: the
 paper's WLB-ideal baseline, WLB-LLM's variable-length packing of whole documents across the DP
 groups (no deferred documents) plus per-document CP inside each group, c grid-searched
-(:func:`distca.sim.baselines.wlb_ideal_step`)."""
+(:func:`distca.sim.baselines.wlb_ideal_step`), with the better of two token caps
+(:func:`distca.sim.baselines.wlb_caps`). ``pack``: document placement alone (``distca.place`` over the
+batch's documents, then ``colocated``: what a better loader gives without CAD); ``distca_placed``:
+placement, then ``distca``."""
 
-BASELINES = ("per_doc_cp", "wlb_cp", "wlb_ideal", "colocated")
+PLACED = {"pack": "colocated", "distca_placed": "distca"}
+"""Policies that place the batch's documents first (``distca.place``), and the planner policy they run then."""
+
+BASELINES = ("per_doc_cp", "wlb_cp", "wlb_ideal", "colocated", "pack", "distca")
 """The policies each 3D row carries a ``speedup_vs_<base>`` against."""
 
 # Speedups the paper reports versus WLB-ideal (DistCA Figs. 9-10 via secondary summaries; see
@@ -64,6 +72,9 @@ class Options:
     pp_schedule: str = "1f1b"
     tp: int = TP
     """Tensor-parallel degree: GPUs per CA rank."""
+    price_bytes: bool = False
+    """Plan with the network priced (:func:`planner_cost_model`): the planner's ``cost_model`` is the
+    kernel model plus a network model of this hardware (``h200+hgx_h200``'s fields, per CA rank)."""
 
     def sampling(self) -> dict:
         """:func:`distca.sim.workloads.build_layout`'s keyword arguments."""
@@ -74,7 +85,52 @@ class Options:
         return {
             "tolerance": self.tolerance, **hw.settings(), "upsample": self.upsample,
             "upsample_threshold": self.upsample_threshold, "cut_docs": self.cut_docs, "cost_model": hw.cost_model,
+            "price_bytes": self.price_bytes,
         }  # fmt: skip
+
+
+def planner_cost_model(arch: Arch, hw: Hardware, tp: int = TP, price_bytes: bool = False):
+    """The cost model the planner plans with: the hardware's kernel model for ``arch``'s shape, and with
+    ``price_bytes`` a network model in the planner's units (a CA rank is one TP group of ``tp`` GPUs,
+    its loads whole-group seconds): each GPU ships 1 / tp of the rank's bytes over its own NIC, so a
+    rank's byte costs 1 / ``hw.ib_bytes_per_s`` (the stored ``hgx_h200`` network's 2e-11 s at 50 GB/s);
+    every peer is on another node (one CA rank per node of 8 GPUs at TP 8: ``net_ranks_per_node`` =
+    GPUs per node / tp); the linear layers' forward + backward seconds per token hide transfers
+    (3 x tp x :func:`linear_fwd_s` of one token: 2.65e-6 s for 8B, as stored); one all-to-all's
+    latency x tp."""
+    cm = load_cost_model(hw.cost_model).for_shape(arch.shape)
+    if not price_bytes:
+        return cm
+    return dataclasses.replace(
+        cm, net_inter_byte_s=1.0 / hw.ib_bytes_per_s, net_intra_byte_s=1.0 / hw.ib_bytes_per_s,
+        net_ranks_per_node=max(1, hw.gpus_per_node // tp), net_latency_s=tp * hw.a2a_latency_s(),
+        net_overlap_token_s=3.0 * tp * linear_fwd_s(arch, 1, hw, tp),
+        net_source=f"distca.sim --price-bytes: {hw.name}, TP {tp}",
+    )  # fmt: skip
+
+
+def placed_layout(lay, cm, shape):
+    """Document placement as the CA loader applies it (``torchtitan_ext/data.py``, ``place_windows``):
+    ``distca.place`` over the documents of ``lay`` (one layout) or of a list of micro-batch layouts
+    (placed over all of them, ``micro_batches=M``), kept only where the placed order's modelled
+    imbalance (max / mean colocated attention work over the step's slots) is lower than the
+    loader's order's; else the loader's order. Returns (layouts, milliseconds, whether placed)."""
+    lays = lay if isinstance(lay, list) else [lay]
+    lens = np.concatenate([x.doc_lens[~x.is_padding] for x in lays])
+    t0 = time.perf_counter()
+    p = place(lens, lays[0].ranks, lays[0].tokens_per_rank, micro_batches=len(lays), cost_model=cm, shape=shape)
+    ms = (time.perf_counter() - t0) * 1e3
+    work = np.concatenate([slot_work(x, cm) for x in lays])
+    before = float(work.max() / work.mean()) if work.mean() > 0 else 1.0
+    if p.imbalance < before:
+        return list(p.layouts), ms, True
+    return lays, ms, False
+
+
+def slot_work(lay, cm) -> np.ndarray:
+    """Modelled colocated attention seconds of each rank of ``lay`` (what ``Placement.slot_work`` holds)."""
+    s = lay.segments
+    return np.bincount(s.rank, cm.task_time(s.start, s.end), lay.ranks)
 
 
 def _paper(arch: Arch, workload: Workload) -> bool:
@@ -134,19 +190,40 @@ def simulate_config(arch: Arch, workload: Workload, gpus: int, ctx: int, opts: O
                     slow: dict | None = None) -> list[dict]:  # fmt: skip
     """All policies x {no ping-pong, ping-pong} for one (model, doclens, gpus, context); rows averaged
     over seeds. ``slow``: policy -> group size at which one plan took longer than ``opts.max_plan_s``,
-    shared across configurations (the policy is skipped at that size and above, with a note)."""
+    shared across configurations (the policy is skipped at that size and above, with a note).
+
+    Memory: every policy recomputes the fewest layers that make its worst step fit
+    (:func:`distca.sim.hardware.recompute_layers`): the policies on distca's op at ``ctx`` tokens plus
+    the largest communication buffers of any of its batches; ``wlb_cp`` / ``wlb_ideal`` at their
+    token bound (``ctx``, or the packing cap x ``ctx``) plus per-document CP's buffers at their
+    largest (:func:`distca.sim.baselines.wlb_buffer_bound`), for each CP degree and cap tried."""
     slow = {} if slow is None else slow
     shape, tp = arch.shape, opts.tp
     R = gpus // tp
+    L = arch.layers
     cm = load_cost_model(hw.cost_model).for_shape(shape)
+    pcm = planner_cost_model(arch, hw, tp, opts.price_bytes)
     acc: dict[tuple[str, bool], list] = {}
+    pend: dict[str, list] = {}  # policy -> [(RankCosts, loads, plan ms, extra)] before recomputation is known
     notes: dict[str, str] = {}
     cps = [1 << k for k in range(int(math.log2(R)) + 1) if R % (1 << k) == 0]
     size = R * ctx
-    mode = recompute_mode(arch, ctx, R, hbm=hw.hbm_bytes, tp=tp)
+    caps = wlb_caps(arch, ctx, R, hw=hw, tp=tp)
+    wlb_k = {}  # (policy, c, cap) -> (layers recomputed, tokens, buffer bytes)
+    for policy, c in ((p, c) for p in ("wlb_cp", "wlb_ideal") for c in cps):
+        for cap in caps if policy == "wlb_ideal" else [1.0]:
+            tok = int(cap * ctx)
+            buf = wlb_buffer_bound(c, tok, shape, tp)
+            k = recompute_layers(arch, tok, R, hbm=hw.hbm_bytes, tp=tp, buffer_bytes=buf)
+            fits = memory_fields(arch, tok, R, recompute=k, hbm=hw.hbm_bytes, tp=tp, buffer_bytes=buf)["fits_memory"]
+            wlb_k[(policy, c, cap)] = (k, tok, buf, fits)
+    # A (CP degree, cap) that does not fit even with every layer recomputed is not tried (unless none fits).
+    wlb_try = {pol: [key[1:] for key, v in wlb_k.items() if key[0] == pol and v[3]]
+               or [key[1:] for key in wlb_k if key[0] == pol] for pol in ("wlb_cp", "wlb_ideal")}
     for s in range(opts.seeds):
         for m in range(opts.microbatches):
             lay = build_layout(workload.lengths, R, ctx, s * opts.microbatches + m, **opts.sampling())
+            placed = None
             for policy in opts.policies:
                 lim = slow.get(policy)
                 if lim is not None and size >= lim:
@@ -155,25 +232,40 @@ def simulate_config(arch: Arch, workload: Workload, gpus: int, ctx: int, opts: O
                 if policy in ("wlb_cp", "wlb_ideal"):
                     step_at = wlb_cp_step if policy == "wlb_cp" else wlb_ideal_step
                     best: dict[bool, tuple] = {}  # pingpong -> (StepTime, RankCosts, loads, plan s, extra)
-                    for c in cps:  # the grid search over CP degrees, per ping-pong setting
-                        by_pp, loads, ps, most = step_at(lay, c, arch, ctx, shape, cm, hw, opts.sync, mode, tp)
+                    for c, cap in wlb_try[policy]:  # the grid search over CP degrees (and caps), per ping-pong
+                        k, tok, buf, _ = wlb_k[(policy, c, cap)]
+                        kw = {"cap": cap} if policy == "wlb_ideal" else {}
+                        by_pp, loads, ps, most = step_at(lay, c, arch, ctx, shape, cm, hw, opts.sync, k / L, tp, **kw)
                         for pp, (st, rc) in by_pp.items():
                             if pp not in best or st.step_s < best[pp][0].step_s:
-                                best[pp] = (st, rc, loads, ps, {"cp": c, "tokens": most})
+                                extra = {"cp": c, "tokens": most, "cap": cap, "k": k, "mem_tokens": tok, "buf": buf}
+                                best[pp] = (st, rc, loads, ps, extra)
                         if ps > opts.max_plan_s:
                             slow[policy] = size
                     for pp, (st, rc, loads, ps, extra) in best.items():
                         acc.setdefault((policy, pp), []).append((st, rc, loads, ps * 1e3, extra))
                     continue
+                src, extra = lay, {}
+                if policy in PLACED:
+                    if placed is None:
+                        placed = placed_layout(lay, pcm, shape)
+                    src, extra = placed[0][0], {"place_ms": placed[1], "placed": placed[2]}
                 t0 = time.perf_counter()
-                p = plan(lay, policy, tolerance=opts.tolerance, shape=shape, cost_model=hw.cost_model)
+                p = plan(src, PLACED.get(policy, policy), tolerance=opts.tolerance, shape=shape, cost_model=pcm)
                 plan_s = time.perf_counter() - t0
                 if plan_s > opts.max_plan_s:
                     slow[policy] = size
                 rc = rank_costs(p.loads, p.traffic, shape, np.zeros(R, dtype=np.int64), hw, tp)
-                for pp in (False, True):
-                    st = step_time(rc, arch, ctx, cm.bwd_factor, pp, opts.sync, hw, hw.op_overhead(pp), mode, tp)
-                    acc.setdefault((policy, pp), []).append((st, rc, p.loads, plan_s * 1e3, {"tasks": p.num_tasks}))
+                pend.setdefault(policy, []).append((rc, p.loads, plan_s * 1e3, {"tasks": p.num_tasks, **extra}))
+    mem: dict[str, dict] = {}
+    for policy, items in pend.items():
+        buf = max(float(np.max(i[0].buf_bytes)) for i in items)
+        k = recompute_layers(arch, ctx, R, hbm=hw.hbm_bytes, tp=tp, buffer_bytes=buf)
+        mem[policy] = memory_fields(arch, ctx, R, recompute=k, hbm=hw.hbm_bytes, tp=tp, buffer_bytes=buf)
+        for pp in (False, True):
+            for rc, loads, ms, extra in items:
+                st = step_time(rc, arch, ctx, cm.bwd_factor, pp, opts.sync, hw, hw.op_overhead(pp), k / L, tp)
+                acc.setdefault((policy, pp), []).append((st, rc, loads, ms, extra))
     rows = []
     mb = opts.microbatches
     settings = {**opts.settings(hw), "sync": opts.sync}
@@ -202,19 +294,28 @@ def simulate_config(arch: Arch, workload: Workload, gpus: int, ctx: int, opts: O
             "imbalance": float(np.mean([i[2].max() / i[2].mean() for i in items])),
             "max_gpu_fwd_bytes": float(np.mean([i[1].fwd_bytes_gpu.max() for i in items])),
             "plan_ms": float(np.mean([i[3] for i in items])),
-            **memory_fields(arch, ctx, R, recompute=mode, hbm=hw.hbm_bytes, tp=tp),
             "settings": settings,
         }
         if policy in ("wlb_cp", "wlb_ideal"):
             cs = [i[4]["cp"] for i in items]
             row["cp"] = max(sorted(set(cs)), key=cs.count)
+            # Its memory at its token bound (the cap for wlb_ideal) and largest buffers, under the most
+            # recomputation any seed's choice of (c, cap) needed.
+            worst = max(items, key=lambda i: (i[4]["k"], i[4]["buf"]))[4]
+            row.update(memory_fields(arch, worst["mem_tokens"], R, recompute=worst["k"], hbm=hw.hbm_bytes, tp=tp,
+                                     buffer_bytes=worst["buf"]))  # fmt: skip
+            row["recompute_share_mean"] = float(np.mean([i[4]["k"] for i in items])) / L
             if policy == "wlb_ideal":
-                # Variable-length packing can hold more tokens on a rank than ctx: its memory follows them.
-                most = max(i[4]["tokens"] for i in items)
-                row["max_tokens_ratio"] = most / ctx
-                row.update(memory_fields(arch, most, R, recompute=mode, hbm=hw.hbm_bytes, tp=tp))
+                row["max_tokens_ratio"] = max(i[4]["tokens"] for i in items) / ctx
+                capsel = [i[4]["cap"] for i in items]
+                row["wlb_cap"] = max(sorted(set(capsel)), key=capsel.count)
         else:
+            row.update(mem[policy])
+            row["recompute_share_mean"] = row["recompute_share"]
             row["tasks"] = float(np.mean([i[4]["tasks"] for i in items]))
+            if policy in PLACED:
+                row["place_ms"] = float(np.mean([i[4]["place_ms"] for i in items]))
+                row["placed_share"] = float(np.mean([i[4]["placed"] for i in items]))
         rows.append(row)
     # Speedups are ratios of mean step times (the paper averages batches).
     _add_speedups(rows, BASELINES)

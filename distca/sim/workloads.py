@@ -4,6 +4,12 @@ A workload is a pool of document lengths in tokens (int64 [N]); each batch sampl
 paper's procedure (``distca.doclens.sample_doclens``) and packs the documents in order over the
 ranks (:func:`build_layout`).
 
+Besides the paper's two (``pretrain``, ``prolong``) and a user's file, two synthetic pools
+(:data:`SYNTHETIC`, generated deterministically, :func:`synthetic_pool`) test where CAD's structure
+should matter more: ``heavy_tail`` (a code-repository-like mix with a Pareto tail, the planner
+benchmark's) and ``long_docs`` (half the tokens in documents of 256K-1M tokens: 2-8x a 128K rank).
+They are the intended distributions already: run them with ``--upsample 1``.
+
 File formats (``--doclens FILE``), all lengths in tokens:
 
 - ``.json``: a list of lengths ``[812, 4096, ...]``; a histogram ``{"4096": 12, "812": 30}``; or a
@@ -28,6 +34,15 @@ import numpy as np
 from distca import Layout
 from distca.doclens import DISTRIBUTIONS, load_doclens, sample_doclens
 
+SYNTHETIC = ("heavy_tail", "long_docs")
+"""Synthetic workloads ``--doclens`` accepts by name (:func:`synthetic_pool`)."""
+
+POOL_TOKENS = 1 << 26
+"""Tokens of a synthetic pool (67M: more than any default batch, 64 ranks x 512K = 34M)."""
+
+LONG_DOCS = (0.5, 262144, 1048576)
+"""``long_docs``: (share of tokens, shortest, longest length) of its long documents, log-uniform."""
+
 MAX_DOCUMENTS = 20_000_000
 """Most documents a histogram may expand to: the sampler shuffles the whole pool per batch, and only
 the counts' proportions matter, so larger histograms should be scaled down."""
@@ -50,15 +65,69 @@ class Workload:
         return self.source is None and self.name in DISTRIBUTIONS
 
 
+def _cut(lens: np.ndarray, total: int) -> np.ndarray:
+    """``lens`` taken in order up to ``total`` tokens, the last one cut (``total`` <= their sum)."""
+    cum = np.cumsum(lens)
+    n = int(np.searchsorted(cum, total)) + 1
+    out = lens[:n].astype(np.int64)
+    out[-1] -= int(cum[n - 1]) - total
+    return out
+
+
+def heavy_tail_lengths(total: int, seed: int = 0) -> np.ndarray:
+    """Document lengths (int64, summing to ``total``) of a code-repository-like mix, the planner
+    benchmark's ``heavy_tail`` batch (``scripts/bench_planner.py``): a lognormal body (median 1.5K
+    tokens, sigma 1.2) and 3% of documents from a Pareto tail (16K x (1 + Pareto(1.1))), lengths
+    clipped to [16, 1M]."""
+    rng = np.random.default_rng(seed)
+    n = max(1, total // 500)
+    body = rng.lognormal(np.log(1500), 1.2, n)
+    tail = 16384 * (1 + rng.pareto(1.1, n))
+    lens = np.clip(np.where(rng.random(n) < 0.03, tail, body), 16, 1 << 20).astype(np.int64)
+    while int(lens.sum()) < total:  # not reached for the pool's size; kept for small totals
+        lens = np.concatenate([lens, lens])
+    return _cut(lens, total)
+
+
+def long_docs_lengths(total: int, seed: int = 0, share: float = LONG_DOCS[0], lo: int = LONG_DOCS[1],
+                      hi: int = LONG_DOCS[2]) -> np.ndarray:  # fmt: skip
+    """Document lengths (int64, summing to ``total``): ``share`` of the tokens in long documents
+    (log-uniform in [``lo``, ``hi``]: 2-8x a 128K-token rank by default), the rest a Pretrain sample
+    (the shipped pool, not upsampled), shuffled together."""
+    rng = np.random.default_rng(seed)
+    want = int(share * total)
+    long = []
+    while sum(long) < want:
+        long.append(int(np.exp(rng.uniform(np.log(lo), np.log(hi)))))
+    long = _cut(np.asarray(long, dtype=np.int64), want) if want else np.zeros(0, np.int64)
+    long = long[long > 0]
+    rest = sample_doclens(load_doclens("pretrain"), total - int(long.sum()), upsample=1, seed=seed)
+    lens = np.concatenate([long, rest])
+    return lens[rng.permutation(lens.size)]
+
+
+def synthetic_pool(name: str, tokens: int = POOL_TOKENS) -> np.ndarray:
+    """The pool of a :data:`SYNTHETIC` workload: ``tokens`` tokens of its generator with seed 0."""
+    if name == "heavy_tail":
+        return heavy_tail_lengths(tokens, 0)
+    if name == "long_docs":
+        return long_docs_lengths(tokens, 0)
+    raise ValueError(f"synthetic workload must be one of {list(SYNTHETIC)}, got {name!r}")
+
+
 def load_workload(name_or_path: str) -> Workload:
-    """A shipped distribution (``pretrain``, ``prolong``) or a user's file (see the module docstring).
-    Raises ValueError naming the file, the offending value and the rule."""
+    """A shipped distribution (``pretrain``, ``prolong``), a synthetic one (:data:`SYNTHETIC`) or a
+    user's file (see the module docstring). Raises ValueError naming the file, the offending value
+    and the rule."""
     if name_or_path in DISTRIBUTIONS:
         return Workload(name_or_path, load_doclens(name_or_path))
+    if name_or_path in SYNTHETIC:
+        return Workload(name_or_path, synthetic_pool(name_or_path))
     p = Path(name_or_path)
     arg = f"--doclens {name_or_path}"
     if not p.exists():
-        raise ValueError(f"{arg}: no such file (and not a shipped distribution {list(DISTRIBUTIONS)})")
+        raise ValueError(f"{arg}: no such file (and not a shipped distribution {list(DISTRIBUTIONS)} nor a synthetic "
+                         f"one {list(SYNTHETIC)})")  # fmt: skip
     if not p.is_file():
         raise ValueError(f"{arg}: not a regular file")
     try:
