@@ -64,6 +64,12 @@ class Options:
     pp_schedule: str = "1f1b"
     tp: int = TP
     """Tensor-parallel degree: GPUs per CA rank."""
+    mode: str = "fair"
+    """``"fair"`` (this module) or ``"paper"``: the paper code's experiment (:mod:`distca.sim.paper_mode`)."""
+    paper_elongate: int | None = None
+    """Paper mode: Pretrain elongation (ProLong replacement length / 65536); None: context // 65536."""
+    paper_cp: int | None = None
+    """Paper mode: WLB-ideal's CP degree for every configuration; None: the best per configuration."""
 
     def sampling(self) -> dict:
         """:func:`distca.sim.workloads.build_layout`'s keyword arguments."""
