@@ -43,8 +43,8 @@ from distca.sim.pipeline import PP_GRID, PP_POLICIES, PP_SCHEDULES, SCHEDULE_NAM
 from distca.sim.report import (
     detail_table, paper_table, plot, plot_pp, pp_paper_table, pp_summary, pp_table, summary, table,
 )  # fmt: skip
-from distca.sim.paper_mode import PAPER_POLICIES, simulate_paper_config
-from distca.sim.report import paper_mode_table
+from distca.sim.paper_mode import PAPER_POLICIES, simulate_paper_config, simulate_paper_pp_config
+from distca.sim.report import paper_mode_pp_table, paper_mode_table
 from distca.sim.sweep import POLICIES, Options, is_paper_row, simulate_config
 from distca.sim.workloads import Workload, load_workload
 
@@ -232,8 +232,8 @@ def _resolve(ap: argparse.ArgumentParser, args, pp: bool) -> tuple[list[Arch], l
         paper_elongate=args.paper_elongate, paper_cp=args.paper_cp,
     )  # fmt: skip
     if args.mode != "fair":
-        if pp:
-            ap.error("--mode paper/both: the paper code's experiment is modelled for the 3D grid only (not --pp yet)")
+        if pp and args.pp_schedule != "1f1b":
+            ap.error("--mode paper/both with --pp models the paper's schedule only: --pp-schedule 1f1b")
         if bad := [w.name for w in workloads if not (w.shipped and w.name in ("pretrain", "prolong"))]:
             ap.error(f"--mode {args.mode}: the paper's generators exist for the shipped 'pretrain' and 'prolong' "
                      f"only, got --doclens {bad[0]}")  # fmt: skip
@@ -260,7 +260,7 @@ def _defaults(args, pp: bool) -> None:
     args.jobs = args.jobs or os.cpu_count() or 1
     args.model = args.model or list(ARCHS)
     args.doclens = args.doclens or list(DISTRIBUTIONS)
-    default = PAPER_POLICIES if getattr(args, "mode", "fair") == "paper" and not pp else PP_POLICIES if pp else POLICIES
+    default = PAPER_POLICIES if getattr(args, "mode", "fair") == "paper" else PP_POLICIES if pp else POLICIES
     args.policy = args.policy or list(default)
 
 
@@ -274,7 +274,9 @@ def _one_config(item: tuple, opts: Options, hw: Hardware) -> list[dict]:
 
 
 def _one_pp_config(item: tuple, opts: Options, hw: Hardware) -> list[dict]:
-    return simulate_pp_config(*item, opts, hw)
+    if opts.mode == "paper":
+        return simulate_paper_pp_config(*item, opts, hw)
+    return [{"mode": "fair", **r} for r in simulate_pp_config(*item, opts, hw)]
 
 
 def _map_configs(grid: list[tuple], opts: Options, hw: Hardware, jobs: int, pp: bool = False):
@@ -285,7 +287,7 @@ def _map_configs(grid: list[tuple], opts: Options, hw: Hardware, jobs: int, pp: 
         slow: dict[str, int] = {}
         for item in grid:
             if pp:
-                yield simulate_pp_config(*item, opts, hw)
+                yield _one_pp_config(item, opts, hw)
             elif opts.mode == "paper":
                 yield simulate_paper_config(*item, opts, hw)
             else:
@@ -368,19 +370,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def main_paper(args, grid: list[tuple], archs: list[Arch], hw: Hardware, opts: Options) -> int:
-    """--mode paper (the paper code's experiment) or both (fair mode first, then paper mode, on ``grid``)."""
+def main_paper(args, grid: list[tuple], archs: list[Arch], hw: Hardware, opts: Options, pp: bool = False) -> int:
+    """--mode paper (the paper code's experiment) or both (fair mode first, then paper mode, on ``grid``);
+    with ``pp`` the --pp grid."""
     rows: list[dict] = []
     fair: list[dict] = []
     walls = {}
     if args.mode == "both":
-        fopts = dataclasses.replace(opts, policies=tuple(p for p in opts.policies if p in POLICIES))
-        fair, walls["fair"] = _run(grid, fopts, hw, args, pp=False)
+        allowed = PP_POLICIES if pp else POLICIES
+        fopts = dataclasses.replace(opts, policies=tuple(p for p in opts.policies if p in allowed))
+        fair, walls["fair"] = _run(grid, fopts, hw, args, pp=pp)
     popts = dataclasses.replace(opts, mode="paper", policies=tuple(p for p in opts.policies if p in PAPER_POLICIES))
-    rows, walls["paper"] = _run(grid, popts, hw, args, pp=False)
+    rows, walls["paper"] = _run(grid, popts, hw, args, pp=pp)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in fair + rows))
+    (out_dir / ("results_pp.jsonl" if pp else "results.jsonl")).write_text("".join(json.dumps(r) + "\n" for r in fair + rows))
     if not args.json:
         for a in archs:
             print(a.describe())
@@ -393,11 +397,12 @@ def main_paper(args, grid: list[tuple], archs: list[Arch], hw: Hardware, opts: O
             "all-gather exposed, no ping-pong)\n"
         )
         if fair:
-            print(table(fair))
+            print(pp_table(fair) if pp else table(fair))
             print()
         print("modelled, not measured: distca's speedup over WLB-ideal, 95% interval over the batches")
-        print(paper_mode_table(rows, fair))
-        print("\n" + ", ".join(f"{k} mode {v:.1f} s" for k, v in walls.items()) + f"; results in {out_dir / 'results.jsonl'}")
+        print(paper_mode_pp_table(rows, fair) if pp else paper_mode_table(rows, fair))
+        name = "results_pp.jsonl" if pp else "results.jsonl"
+        print("\n" + ", ".join(f"{k} mode {v:.1f} s" for k, v in walls.items()) + f"; results in {out_dir / name}")
     return 0
 
 
@@ -431,6 +436,8 @@ def main_pp(ap: argparse.ArgumentParser, args) -> int:
                 for ctx in sorted(args.context or ctx_l):
                     for w in workloads:
                         grid.append((arch, w, gpus, ctx, P, args.microbatches or 2 * P))
+    if args.mode != "fair":
+        return main_paper(args, grid, archs, hw, opts, pp=True)
     rows, wall = _run(grid, opts, hw, args, pp=True)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -329,3 +329,150 @@ def simulate_paper_config(arch: Arch, workload: Workload, gpus: int, ctx: int, o
             r["speedup_vs_wlb_ideal"] = round(wlb["step_s"] / r["step_s"], 4)
             r["speedup_vs_wlb_ideal_ci95"] = _ratio_ci95(wlb["step_s_seeds"], r["step_s_seeds"])
     return rows
+
+
+# ---- 4D (--pp): the paper's 4D driver for WLB-ideal, tick-synchronous 1F1B distca ------------------
+
+
+def simulate_paper_pp_config(arch: Arch, workload: Workload, gpus: int, ctx: int, pp: int, mb: int, opts: Options,
+                             hw: Hardware) -> list[dict]:  # fmt: skip
+    """Paper mode with pipeline parallelism for one (model, distribution, gpus, context, P, M).
+
+    Batches: ``M x DP`` consecutive chunks of the paper stream per step (``get_next_batch(2 x
+    batch_size x num_microbatch)``), micro-batch ``m`` the chunks ``m DP .. (m+1) DP - 1``, one per DP
+    rank of a stage. WLB-ideal as the paper's 4D driver (``tests/test_wlb_e2e.py``) runs it:
+    ``paper_wlb_balance`` over ``dp x M`` bins (``dp = DP / c``; bin ``r + dp m`` is replica ``r``'s
+    micro-batch ``m``) with the planner's default cap ``int(ctx x DP) // (dp x M)``, which is ``M``
+    times smaller than the mean (so most documents are placed by the closed-form estimate alone); each
+    bin a CP group of ``c`` ranks (:func:`paper_wlb_group_costs`), no overlap, on Megatron's 1F1B
+    critical path (:func:`distca.sim.pipeline.pp_graph_step`); one CP degree per configuration, the
+    best mean. distca: the fair 4D model's tick-synchronous 1F1B, every sub-tick planned on the same
+    chunks (with ping-pong each micro-batch split into two nano-batches)."""
+    from distca import split_nano_batches
+    from distca.sim.baselines import _concat_costs
+    from distca.sim.hardware import head_fwd_s, linear_fwd_s
+    from distca.sim.pipeline import (
+        _layer_phases, in_flight_per_stage, p2p_s, pp_graph_step, pp_p2p_transfers, pp_subtick_step, pp_subticks,
+        stage_layout,
+    )  # fmt: skip
+    from distca.sim.sweep import paper_range_4d
+
+    if opts.pp_schedule != "1f1b":
+        raise ValueError("paper mode with --pp models the paper's schedule, tick-synchronous 1F1B, only")
+    tp = opts.tp
+    R = gpus // tp
+    DP, layers = R // pp, arch.layers // pp
+    shape = arch.shape
+    cm = load_cost_model(hw.cost_model).for_shape(shape)
+    bf = cm.bwd_factor
+    lin_f, head_f, p2p = linear_fwd_s(arch, ctx, hw, tp), head_fwd_s(arch, ctx, hw, tp), p2p_s(arch, ctx, hw, tp)
+    subticks = pp_subticks("1f1b", pp, mb)
+    per_stage = {"tick": in_flight_per_stage("1f1b", pp, mb), "graph": in_flight_per_stage("1f1b", pp, mb, cad=False)}
+    flight = {k: max(v) for k, v in per_stage.items()}
+    mode = {k: recompute_mode(arch, ctx, DP, pp, n, hw.hbm_bytes, tp) for k, n in flight.items()}
+    setting = paper_setting(workload, DP, ctx, opts.paper_elongate)
+    setting = replace(setting, num_microbatch=mb)
+    cache: dict = {}
+    batches = [paper_batch(setting, DP * mb, s, cache) for s in range(opts.seeds)]
+    cache.clear()
+    b_pt = BREAKPOINTS.get(arch.name, DEFAULT_ATTN_LINEAR_BREAKPOINT)
+    policies = [p for p in PAPER_POLICIES if p in opts.policies]
+    base = {
+        "mode": "paper", "model": arch.name, "params": arch.params, "doclens": workload.name, "gpus": gpus,
+        "ca_ranks": R, "tp": tp, "dp": DP, "pp": pp, "layers_per_stage": layers, "microbatches": mb, "context": ctx,
+        "tokens_per_step": mb * DP * ctx, "seeds": len(batches), "elongate": setting.elongate_factor,
+        "stream_seeds": sorted({b.stream_seed for b in batches}), "steps": [b.step for b in batches],
+        "long_doc_share": float(np.mean([b.long_share for b in batches])),
+        "settings": {**opts.settings(hw), "pp_schedule": "1f1b", "mode": "paper", "elongate": setting.elongate_factor,
+                     "prolong_change_ratio": setting.change_long_doc_ratio, "short_doc_ratio": setting.filter_ratio,
+                     "upsample": setting.upsample_long_factor, "upsample_threshold": setting.filter_threshold,
+                     "breakpoint": b_pt},
+        "paper_4d_vs_wlb": list(p) if (p := paper_range_4d(arch, workload)) else None,
+    }  # fmt: skip
+    base["settings"].pop("cut_docs", None)
+    if any(b.wrapped for b in batches):
+        base["note"] = f"the stream has fewer than {PAPER_STEPS} steps of {DP * mb} chunks; later steps wrap"
+    rows: list[dict] = []
+    if "wlb_ideal" in policies:
+        cps = [opts.paper_cp] if opts.paper_cp else cp_degrees(DP)
+        if opts.paper_cp and DP % opts.paper_cp:
+            raise ValueError(f"--paper-cp {opts.paper_cp} must divide the {DP} DP ranks of a stage")
+        per_c: dict[int, list] = {}
+        for c in cps:
+            dp = DP // c
+            for b in batches:
+                t0 = time.perf_counter()
+                bal = paper_wlb_balance(b.chunks, dp * mb, int(ctx * DP) // (dp * mb), b_pt)
+                ps = time.perf_counter() - t0
+                parts = [[None] * dp for _ in range(mb)]
+                tokens = np.zeros((mb, DP), dtype=np.int64)
+                ag = 0.0
+                for i, bin_docs in enumerate(bal.bins):
+                    r, m = i % dp, i // dp
+                    rc, T, inf = paper_wlb_group_costs(wlb_rank_doc_lens(bin_docs, c, dp), c, arch, cm, hw, tp)
+                    parts[m][r] = rc
+                    tokens[m, r * c : (r + 1) * c] = T
+                    ag = max(ag, inf["allgather_bytes"])
+                costs = [_concat_costs(row, c) for row in parts]
+                lin = np.vectorize(lambda n: linear_fwd_s(arch, int(n), hw, tp))(tokens)
+                head = head_fwd_s(arch, tokens, hw, tp)
+                fb = [_layer_phases(cc, lin[m], bf, False) for m, cc in enumerate(costs)]
+                st = pp_graph_step(
+                    np.stack([x[0] for x in fb]), np.stack([x[1] for x in fb]), np.stack([cc.attn_fwd for cc in costs]),
+                    np.arange(DP) // c, pp, layers, lin, head, bf, p2p, mode["graph"], "1f1b",
+                )  # fmt: skip
+                loads = np.concatenate([cc.attn_fwd for cc in costs])
+                per_c.setdefault(c, []).append({"st": st, "most": int(tokens.max()), "deferred": bal.deferred,
+                                                "ag": ag, "imb": float(loads.max() / loads.mean()), "plan_s": ps})  # fmt: skip
+        mean = {c: float(np.mean([x["st"].step_s for x in v])) for c, v in per_c.items()}
+        c = min(mean, key=lambda k: (mean[k], k))
+        items = per_c[c]
+        most = max(x["most"] for x in items)
+        step = [x["st"].step_s for x in items]
+        rows.append({
+            **base, "policy": "wlb_ideal", "pingpong": False, "schedule": "1f1b", "cp": c,
+            "cp_step_s": {str(k): round(v, 6) for k, v in mean.items()},
+            "step_s": float(np.mean(step)), "step_s_std": float(np.std(step)), "step_s_seeds": step,
+            "idle_frac": float(np.mean([x["st"].idle_frac for x in items])),
+            "imbalance": float(np.mean([x["imb"] for x in items])),
+            "deferred": float(np.mean([x["deferred"] for x in items])),
+            "allgather_bytes_gpu": float(np.mean([x["ag"] for x in items])),
+            "plan_ms": float(np.mean([x["plan_s"] for x in items])) * 1e3, "max_tokens_ratio": most / ctx,
+            **memory_fields(arch, most, DP, pp, flight["graph"], mode["graph"], hw.hbm_bytes, tp),
+        })  # fmt: skip
+    if "distca" in policies:
+        acc: dict[bool, list] = {False: [], True: []}
+        for b in batches:
+            mbs = [chunks_layout(b.chunks[m * DP : (m + 1) * DP], ctx) for m in range(mb)]
+            nanos = [split_nano_batches(lay, "stream") for lay in mbs]
+            for ppg in (False, True):
+                subs, ms, n_plans = [], 0.0, 0
+                for d, assign in subticks:
+                    costs = []
+                    for n in (0, 1) if ppg else (None,):
+                        parts = [None if m is None else (mbs[m] if n is None else nanos[m][n]) for m in assign]
+                        lay, active = stage_layout(parts, DP, ctx if n is None else ctx // 2)
+                        t0 = time.perf_counter()
+                        p = plan(lay, "distca", tolerance=opts.tolerance, shape=shape, cost_model=hw.cost_model)
+                        ms += time.perf_counter() - t0
+                        n_plans += 1
+                        costs.append(rank_costs(p.loads, p.traffic, shape, np.zeros(R, dtype=np.int64), hw, tp))
+                    subs.append((d, costs[0] if len(costs) == 1 else tuple(costs), active))
+                st = pp_subtick_step(subs, pp, layers, lin_f, head_f, bf, ppg, p2p, pp_p2p_transfers("1f1b", pp, mb),
+                                     hw.op_overhead(ppg), mode["tick"])  # fmt: skip
+                acc[ppg].append((st, ms / n_plans))
+        for ppg, items in acc.items():
+            step = [i[0].step_s for i in items]
+            rows.append({
+                **base, "policy": "distca", "pingpong": ppg, "schedule": "tick_1f1b",
+                "step_s": float(np.mean(step)), "step_s_std": float(np.std(step)), "step_s_seeds": step,
+                "idle_frac": float(np.mean([i[0].idle_frac for i in items])),
+                "plan_ms": float(np.mean([i[1] for i in items])) * 1e3,
+                **memory_fields(arch, ctx, DP, pp, flight["tick"], mode["tick"], hw.hbm_bytes, tp),
+            })  # fmt: skip
+    wlb = next((r for r in rows if r["policy"] == "wlb_ideal"), None)
+    for r in rows:
+        if r["policy"] == "distca" and wlb is not None:
+            r["speedup_vs_wlb_ideal"] = round(wlb["step_s"] / r["step_s"], 4)
+            r["speedup_vs_wlb_ideal_ci95"] = _ratio_ci95(wlb["step_s_seeds"], r["step_s_seeds"])
+    return rows

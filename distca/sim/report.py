@@ -437,28 +437,30 @@ def _short_cell(v: float | None, ci: list[float] | None, paper: tuple[float, flo
     return f"{v:.2f} {iv:<11} {_where(v, ci, paper) if paper else '':<7}"[:27].ljust(27)
 
 
-def paper_mode_table(paper: list[dict], fair: list[dict] | None = None) -> str:
-    """Per (model, doclens, GPUs, context): the paper's 3D range against WLB-ideal; ours in paper mode
-    (distca with ping-pong against the paper code's WLB-ideal, no overlap, its fixed CP degree ``cp``;
-    ``elong``: the elongation; ``>ctx``: share of the batches' tokens in documents longer than the
-    context before the packing cut them); and, when ``fair`` rows are given, ours in fair mode with
-    both overlapped and with the baseline's all-gather exposed. Each cell: speedup (ratio of mean
-    modelled step times) [95% interval over the batches] and where it lies against the paper's range."""
-    key = lambda r: (r["model"], r["doclens"], r["gpus"], r["context"])  # noqa: E731
+def paper_mode_table(paper: list[dict], fair: list[dict] | None = None, pp: bool = False) -> str:
+    """Per (model, doclens, GPUs, context[, P]): the paper's range against WLB-ideal (3D, or 4D with
+    ``pp``); ours in paper mode (distca with ping-pong against the paper code's WLB-ideal, no overlap,
+    its fixed CP degree ``cp``; ``el``: the elongation; ``>ctx``: share of the batches' tokens in
+    documents longer than the context before the packing cut them); and, when ``fair`` rows are given,
+    ours in fair mode with both overlapped and with the baseline's all-gather exposed. Each cell:
+    speedup (ratio of mean modelled step times) [95% interval over the batches] and where it lies
+    against the paper's range."""
+    key = lambda r: (r["model"], r["doclens"], r["gpus"], r["context"]) + ((r["pp"],) if pp else ())  # noqa: E731
     pd = {key(r): r for r in paper if r.get("policy") == "distca" and r.get("pingpong") and "step_s" in r}
     pw = {key(r): r for r in paper if r.get("policy") == "wlb_ideal" and "step_s" in r}
     fd = {key(r): r for r in (fair or []) if r.get("policy") == "distca" and r.get("pingpong") and "step_s" in r}
     wm, wd = _widths(paper + (fair or []))
-    head = (f"{'model':<{wm}} {'doclens':<{wd}} {'gpus':>4} {'ctx':>4} | {'paper 3D':>9} | "
-            f"{'paper mode: pp vs wlbi0':<27} {'cp':>2} {'el':>2} {'>ctx':>4} | "
+    field = "paper_4d_vs_wlb" if pp else "paper_3d_vs_wlb"
+    head = (f"{'model':<{wm}} {'doclens':<{wd}} {'gpus':>4} {'ctx':>4}{'  P' if pp else ''} | "
+            f"{'paper 4D' if pp else 'paper 3D':>9} | {'paper mode: pp vs wlbi0':<27} {'cp':>2} {'el':>2} {'>ctx':>4} | "
             f"{'fair: both overlapped':<27} | {'fair: baseline exposed':<27}")  # fmt: skip
     out = [head, "-" * len(head)]
     for k in sorted(set(pd) | set(fd)):
         r, w, f = pd.get(k, {}), pw.get(k, {}), fd.get(k, {})
-        p = (r or f).get("paper_3d_vs_wlb")
+        p = (r or f).get(field)
         p = tuple(p) if p else None
         out.append(
-            f"{k[0]:<{wm}} {k[1]:<{wd}} {k[2]:>4} {_k(k[3]):>4} | "
+            f"{k[0]:<{wm}} {k[1]:<{wd}} {k[2]:>4} {_k(k[3]):>4}" + (f" {k[4]:>2}" if pp else "") + " | "
             + (f"{p[0]:.2f}-{p[1]:.2f}" if p else f"{'-':>9}") + " | "
             + _short_cell(r.get("speedup_vs_wlb_ideal"), r.get("speedup_vs_wlb_ideal_ci95"), p)
             + f" {w.get('cp', '-')!s:>2} {r.get('elongate', '-')!s:>2} {_fmt(r.get('long_doc_share'), '.2f'):>4} | "
@@ -466,3 +468,8 @@ def paper_mode_table(paper: list[dict], fair: list[dict] | None = None) -> str:
             + _short_cell(f.get("speedup_vs_wlb_ideal_no_pp"), f.get("speedup_vs_wlb_ideal_no_pp_ci95"), p)
         )
     return "\n".join(out)
+
+
+def paper_mode_pp_table(paper: list[dict], fair: list[dict] | None = None) -> str:
+    """:func:`paper_mode_table` of --pp rows, one line per P."""
+    return paper_mode_table(paper, fair, pp=True)
