@@ -56,11 +56,11 @@ def test_cli_paper_mode_quick_json(tmp_path):
     assert d["paper_3d_vs_wlb"] == [1.07, 1.2]
 
 
-def test_cli_fair_rows_say_fair_and_paper_mode_refuses_pp_and_files(tmp_path):
+def test_cli_fair_rows_say_fair_and_paper_mode_refuses_gpipe_and_files(tmp_path):
     rows = _run(["--quick", "--json", "--gpus", "64", "--seeds", "1", "--doclens", "pretrain", "--policy", "distca",
                  "--no-plot", "--out", str(tmp_path)])  # fmt: skip
     assert rows and all(r["mode"] == "fair" for r in rows)
-    for extra in (["--pp"], ["--doclens", str(tmp_path / "results.jsonl")]):
+    for extra in (["--pp", "--pp-schedule", "gpipe"], ["--doclens", str(tmp_path / "results.jsonl")]):
         with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
             cli.main(["--mode", "paper", "--quick", *extra])
 
@@ -118,3 +118,20 @@ def test_rows_batches_come_from_the_paper_generators():
     assert [c.tolist() for c in b.chunks] == [packed.chunk(i).tolist() for i in range(8, 16)]
     assert r["pieces_per_rank"] == pytest.approx(np.mean([len(packed.lens[packed.indptr[8 * k]:packed.indptr[8 * k + 8]])
                                                           for k in (0, 1)]) / 8)  # fmt: skip
+
+
+def test_pp_paper_mode_uses_the_4d_drivers_cap():
+    """--pp: WLB-ideal's bins are DP x M with the 4D driver's cap, M times below the mean tokens per
+    bin, so documents are deferred and placed by the closed-form estimate alone: bins end up above
+    their nominal c x context tokens; distca runs tick-synchronous 1F1B on the same chunks."""
+    from distca.sim.paper_mode import simulate_paper_pp_config
+
+    rows = simulate_paper_pp_config(A8, load_workload("pretrain"), 64, CTX, 2, 4, Options(seeds=2), H200)
+    by = {(r["policy"], r["pingpong"]): r for r in rows}
+    assert set(by) == {("wlb_ideal", False), ("distca", False), ("distca", True)}
+    w, d = by[("wlb_ideal", False)], by[("distca", True)]
+    assert all(r["mode"] == "paper" and r["pp"] == 2 and r["microbatches"] == 4 for r in rows)
+    assert w["deferred"] > 10 and w["max_tokens_ratio"] > 1.0
+    assert len(w["step_s_seeds"]) == 2 and str(w["cp"]) in w["cp_step_s"]
+    assert d["speedup_vs_wlb_ideal"] == pytest.approx(w["step_s"] / d["step_s"], rel=1e-3)
+    assert d["paper_4d_vs_wlb"] == [1.15, 1.3]
