@@ -384,13 +384,14 @@ def main_paper(args, grid: list[tuple], archs: list[Arch], hw: Hardware, opts: O
     rows, walls["paper"] = _run(grid, popts, hw, args, pp=pp)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / ("results_pp.jsonl" if pp else "results.jsonl")).write_text("".join(json.dumps(r) + "\n" for r in fair + rows))
+    name = "results_pp.jsonl" if pp else "results.jsonl"
+    (out_dir / name).write_text("".join(json.dumps(r) + "\n" for r in fair + rows))
     if not args.json:
         for a in archs:
             print(a.describe())
         print(
-            f"{hw.name.upper()}: {hw.peak_flops / 1e12:.0f} TFLOP/s x MFU {hw.linear_mfu}, IB {hw.ib_bytes_per_s / 1e9:g} "
-            f"GB/s/GPU, TP={opts.tp}, cost model {hw.cost_model!r}, sync={opts.sync}, tolerance={opts.tolerance}, "
+            f"{hw.name.upper()}: {hw.peak_flops / 1e12:.0f} TFLOP/s x MFU {hw.linear_mfu}, "
+            f"IB {hw.ib_bytes_per_s / 1e9:g} GB/s/GPU, TP={opts.tp}, cost model {hw.cost_model!r}, sync={opts.sync}, tolerance={opts.tolerance}, "
             f"seeds={opts.seeds}; paper mode: the paper code's generators and packing (elongation "
             f"{opts.paper_elongate or 'context // 65536'}), its WLB-ideal (closed-form packing, "
             f"{'CP ' + str(opts.paper_cp) if opts.paper_cp else 'one CP degree per configuration, the best'}, "
@@ -401,7 +402,6 @@ def main_paper(args, grid: list[tuple], archs: list[Arch], hw: Hardware, opts: O
             print()
         print("modelled, not measured: distca's speedup over WLB-ideal, 95% interval over the batches")
         print(paper_mode_pp_table(rows, fair) if pp else paper_mode_table(rows, fair))
-        name = "results_pp.jsonl" if pp else "results.jsonl"
         print("\n" + ", ".join(f"{k} mode {v:.1f} s" for k, v in walls.items()) + f"; results in {out_dir / name}")
     return 0
 

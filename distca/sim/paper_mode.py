@@ -198,7 +198,8 @@ def paper_wlb_group_costs(doc_lens: np.ndarray, c: int, arch: Arch, cm, hw: Hard
     zero = np.zeros(c)
     rc = RankCosts(loads / tp, t_ag, zero, zero, t_rs, np.zeros(c, dtype=np.int64), np.full(c, 2 * ag),
                    (ring, 0.0, 0.0, ring), (fwd_copy, bwd_copy))  # fmt: skip
-    info = {"allgather_bytes": ag, "reduce_scatter_bytes": rs, "copy_bytes_fwd": float(fwd_copy.max() * hw.hbm_bytes_per_s)}
+    info = {"allgather_bytes": ag, "reduce_scatter_bytes": rs,
+            "copy_bytes_fwd": float(fwd_copy.max() * hw.hbm_bytes_per_s)}  # fmt: skip
     return rc, int(tr.local_tokens), info
 
 
@@ -422,8 +423,10 @@ def simulate_paper_pp_config(arch: Arch, workload: Workload, gpus: int, ctx: int
                     np.arange(DP) // c, pp, layers, lin, head, bf, p2p, mode["graph"], "1f1b",
                 )  # fmt: skip
                 loads = np.concatenate([cc.attn_fwd for cc in costs])
-                per_c.setdefault(c, []).append({"st": st, "most": int(tokens.max()), "deferred": bal.deferred,
-                                                "ag": ag, "imb": float(loads.max() / loads.mean()), "plan_s": ps})  # fmt: skip
+                per_c.setdefault(c, []).append({
+                    "st": st, "most": int(tokens.max()), "deferred": bal.deferred, "ag": ag,
+                    "imb": float(loads.max() / loads.mean()), "plan_s": ps,
+                })  # fmt: skip
         mean = {c: float(np.mean([x["st"].step_s for x in v])) for c, v in per_c.items()}
         c = min(mean, key=lambda k: (mean[k], k))
         items = per_c[c]

@@ -452,7 +452,8 @@ def paper_mode_table(paper: list[dict], fair: list[dict] | None = None, pp: bool
     wm, wd = _widths(paper + (fair or []))
     field = "paper_4d_vs_wlb" if pp else "paper_3d_vs_wlb"
     head = (f"{'model':<{wm}} {'doclens':<{wd}} {'gpus':>4} {'ctx':>4}{'  P' if pp else ''} | "
-            f"{'paper 4D' if pp else 'paper 3D':>9} | {'paper mode: pp vs wlbi0':<27} {'cp':>2} {'el':>2} {'>ctx':>4} | "
+            f"{'paper 4D' if pp else 'paper 3D':>9} | {'paper mode: pp vs wlbi0':<27} "
+            f"{'cp':>2} {'el':>2} {'>ctx':>4} | "
             f"{'fair: both overlapped':<27} | {'fair: baseline exposed':<27}")  # fmt: skip
     out = [head, "-" * len(head)]
     for k in sorted(set(pd) | set(fd)):
