@@ -44,7 +44,7 @@ from distca.sim.report import (
     detail_table, paper_table, plot, plot_pp, pp_paper_table, pp_summary, pp_table, summary, table,
 )  # fmt: skip
 from distca.sim.paper_mode import PAPER_POLICIES, simulate_paper_config, simulate_paper_pp_config
-from distca.sim.report import paper_mode_pp_table, paper_mode_table
+from distca.sim.report import paper_mode_pp_best_table, paper_mode_pp_table, paper_mode_table
 from distca.sim.sweep import POLICIES, Options, is_paper_row, simulate_config
 from distca.sim.workloads import Workload, load_workload
 
@@ -402,6 +402,9 @@ def main_paper(args, grid: list[tuple], archs: list[Arch], hw: Hardware, opts: O
             print()
         print("modelled, not measured: distca's speedup over WLB-ideal, 95% interval over the batches")
         print(paper_mode_pp_table(rows, fair) if pp else paper_mode_table(rows, fair))
+        if pp:
+            print("\neach policy at its own best P (P: distca's / WLB-ideal's in paper mode):")
+            print(paper_mode_pp_best_table(rows, fair))
         print("\n" + ", ".join(f"{k} mode {v:.1f} s" for k, v in walls.items()) + f"; results in {out_dir / name}")
     return 0
 

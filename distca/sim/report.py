@@ -474,3 +474,37 @@ def paper_mode_table(paper: list[dict], fair: list[dict] | None = None, pp: bool
 def paper_mode_pp_table(paper: list[dict], fair: list[dict] | None = None) -> str:
     """:func:`paper_mode_table` of --pp rows, one line per P."""
     return paper_mode_table(paper, fair, pp=True)
+
+
+def paper_mode_pp_best_table(paper: list[dict], fair: list[dict] | None = None) -> str:
+    """Per (model, doclens, GPUs, context) of a --pp run: the paper's 4D range; ours in paper mode
+    (distca with ping-pong against the paper code's WLB-ideal without overlap) and, with ``fair``
+    rows, in fair mode (both overlapped; baseline exposed), each policy at its own best P
+    (:func:`best_p`, as the paper tunes each system); ``P`` = distca's / WLB-ideal's in paper mode.
+    Speedup [95% interval, seeds paired by index] and where it lies against the paper's range."""
+    pb, fb = best_p(paper), best_p(fair or [])
+    wm, wd = _widths(paper + (fair or []))
+    head = (f"{'model':<{wm}} {'doclens':<{wd}} {'gpus':>4} {'ctx':>4} | {'paper 4D':>9} | "
+            f"{'paper mode: pp vs wlbi0':<27} {'P':>5} {'cp':>2} | {'fair: both overlapped':<27} | "
+            f"{'fair: baseline exposed':<27}")  # fmt: skip
+    out = [head, "-" * len(head)]
+
+    def cell(cellmap, base_pp):
+        d, w = cellmap.get(("distca", True)), cellmap.get(("wlb_ideal", base_pp))
+        if d is None or w is None:
+            return f"{'-':<27}", d, w
+        return _short_cell(w["step_s"] / d["step_s"], _ratio_ci95(w["step_s_seeds"], d["step_s_seeds"]), p), d, w
+
+    for key in sorted(set(pb) | set(fb)):
+        pc, fc = pb.get(key, {}), fb.get(key, {})
+        any_row = next(iter((pc or fc).values()))
+        p = any_row.get("paper_4d_vs_wlb")
+        p = tuple(p) if p else None
+        c0, d, w = cell(pc, False)
+        ps = f"{d['pp']}/{w['pp']}" if d and w else "-"
+        out.append(
+            f"{key[0]:<{wm}} {key[1]:<{wd}} {key[2]:>4} {_k(key[3]):>4} | "
+            + (f"{p[0]:.2f}-{p[1]:.2f}" if p else f"{'-':>9}") + f" | {c0} {ps:>5} {(w or {}).get('cp', '-')!s:>2} | "
+            + cell(fc, True)[0] + " | " + cell(fc, False)[0]
+        )
+    return "\n".join(out)
