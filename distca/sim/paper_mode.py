@@ -26,6 +26,10 @@ Everything here is a model (no multi-GPU step was run). Per (model, GPUs, contex
 - **distca** is planned by our real planner (``distca.plan(..., "distca")``) on the same chunks,
   one chunk per rank, costed exactly as in fair mode (with and without ping-pong).
 
+With ``--pp`` (:func:`simulate_paper_pp_config`): ``M x DP`` chunks per step, WLB-ideal as the
+paper's 4D driver balances them (``DP/c x M`` bins under a cap ``M`` times below the mean) on
+Megatron's 1F1B, distca on tick-synchronous 1F1B.
+
 Rows carry ``mode: "paper"``; see ``docs/simulator.md`` ("The paper's setting and the fair one").
 """
 
