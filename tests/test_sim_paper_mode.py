@@ -135,3 +135,17 @@ def test_pp_paper_mode_uses_the_4d_drivers_cap():
     assert len(w["step_s_seeds"]) == 2 and str(w["cp"]) in w["cp_step_s"]
     assert d["speedup_vs_wlb_ideal"] == pytest.approx(w["step_s"] / d["step_s"], rel=1e-3)
     assert d["paper_4d_vs_wlb"] == [1.15, 1.3]
+
+
+def test_cli_both_prints_paper_and_fair_side_by_side(tmp_path):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cli.main(["--mode", "both", "--quick", "--gpus", "64", "--seeds", "1", "--doclens", "pretrain",
+                         "--no-plot", "--out", str(tmp_path)]) == 0  # fmt: skip
+    out = buf.getvalue()
+    assert "paper mode: pp vs wlbi0" in out and "fair: baseline exposed" in out and "modelled" in out
+    line = next(x for x in out.splitlines() if x.startswith("llama3-8b") and "1.07-1.20" in x)
+    cells = line.split("|")
+    assert all(c.strip()[:1].isdigit() for c in cells[3:6])  # paper mode and both fair columns have a value
+    rows = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert {r["mode"] for r in rows} == {"fair", "paper"}
