@@ -101,8 +101,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--mode", choices=("fair", "paper", "both"), default="fair",
         help="fair: our sampler and a fair WLB-ideal (default); paper: the paper code's generators, packing and "
-        "WLB-ideal (closed-form packing, one CP degree per configuration, all-gather exposed; 3D only); both: "
-        "each on the same grid, side by side",
+        "WLB-ideal (closed-form packing, one CP degree per configuration, all-gather exposed; with --pp the "
+        "paper's 4D driver, --pp-schedule 1f1b only); both: each on the same grid, side by side",
     )  # fmt: skip
     ap.add_argument(
         "--paper-elongate", type=int, metavar="N",
