@@ -11,6 +11,8 @@ Modules, one role each:
 - :mod:`distca.sim.baselines`: the WLB baselines (``wlb_cp``, ``wlb_ideal``, packing);
 - :mod:`distca.sim.sweep`: one 3D configuration's rows over every policy, speedups and intervals;
 - :mod:`distca.sim.pipeline`: the ``--pp`` (4D) model;
+- :mod:`distca.sim.paper`: the paper code's generators, packing and WLB-ideal, re-implemented;
+- :mod:`distca.sim.paper_mode`: ``--mode paper``, the paper code's experiment on the 3D grid;
 - :mod:`distca.sim.report`: tables and plots;
 - :mod:`distca.sim.cli`: the command line.
 """

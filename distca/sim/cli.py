@@ -14,6 +14,8 @@ paper's two distributions) and puts the speedups next to the paper's. See ``docs
     python -m distca.sim --model my_model.json --hardware my_cluster.json --tp 4 --gpus 32 --doclens prolong
     python -m distca.sim --pp                     # 4D: P = 2, 4, 8 stages, M = 2P micro-batches, 30 seeds
     python -m distca.sim --quick --pp             # 4D subset (a few seconds)
+    python -m distca.sim --mode paper --seeds 10  # the paper code's experiment (docs/simulator.md)
+    python -m distca.sim --mode both --quick      # paper mode and fair mode side by side
 
 (``python scripts/simulate.py ...`` runs the same.) With --json: one JSON object per (model,
 doclens, gpus, context, policy, pingpong) per line (with --pp also per P). --pp models pipeline
@@ -41,6 +43,8 @@ from distca.sim.pipeline import PP_GRID, PP_POLICIES, PP_SCHEDULES, SCHEDULE_NAM
 from distca.sim.report import (
     detail_table, paper_table, placement_table, plot, plot_pp, pp_paper_table, pp_summary, pp_table, summary, table,
 )  # fmt: skip
+from distca.sim.paper_mode import PAPER_POLICIES, simulate_paper_config, simulate_paper_pp_config
+from distca.sim.report import paper_mode_pp_best_table, paper_mode_pp_table, paper_mode_table
 from distca.sim.sweep import POLICIES, Options, is_paper_row, simulate_config
 from distca.sim.workloads import SYNTHETIC, Workload, load_workload
 
@@ -94,6 +98,21 @@ def parser() -> argparse.ArgumentParser:
         "--pp-schedule", choices=PP_SCHEDULES, default="1f1b",
         help="with --pp: tick-synchronous 1F1B, the paper's (default), or tick-synchronous GPipe; the "
         "baselines without CAD run Megatron's 1F1B or GPipe without tick barrier",
+    )  # fmt: skip
+    ap.add_argument(
+        "--mode", choices=("fair", "paper", "both"), default="fair",
+        help="fair: our sampler and a fair WLB-ideal (default); paper: the paper code's generators, packing and "
+        "WLB-ideal (closed-form packing, one CP degree per configuration, all-gather exposed; with --pp the "
+        "paper's 4D driver, --pp-schedule 1f1b only); both: each on the same grid, side by side",
+    )  # fmt: skip
+    ap.add_argument(
+        "--paper-elongate", type=int, metavar="N",
+        help="paper mode: Pretrain elongation factor (ProLong: replacement length / 65536); default context // "
+        "65536 as the paper's 4D scripts set it; 2: its 3D example's fixed factor",
+    )  # fmt: skip
+    ap.add_argument(
+        "--paper-cp", type=int, metavar="C",
+        help="paper mode: WLB-ideal's CP degree everywhere (default: per configuration, the best over its batches)",
     )  # fmt: skip
     ap.add_argument("--tolerance", type=float, default=0.05, help="planner epsilon (paper's train_3d: 0.05)")
     ap.add_argument("--upsample", type=int, default=4, help="repeat documents >= threshold this many times (1: none)")
@@ -216,7 +235,20 @@ def _resolve(ap: argparse.ArgumentParser, args, pp: bool) -> tuple[list[Arch], l
         policies=tuple(args.policy), seeds=args.seeds, microbatches=args.microbatches or 1, tolerance=args.tolerance,
         upsample=args.upsample, upsample_threshold=args.upsample_threshold, cut_docs=args.cut_docs, sync=args.sync,
         max_plan_s=args.max_plan_s, pp_schedule=args.pp_schedule, tp=args.tp, price_bytes=args.price_bytes,
+        paper_elongate=args.paper_elongate, paper_cp=args.paper_cp,
     )  # fmt: skip
+    if args.mode != "fair":
+        if pp and args.pp_schedule != "1f1b":
+            ap.error("--mode paper/both with --pp models the paper's schedule only: --pp-schedule 1f1b")
+        if bad := [w.name for w in workloads if not (w.shipped and w.name in ("pretrain", "prolong"))]:
+            ap.error(f"--mode {args.mode}: the paper's generators exist for the shipped 'pretrain' and 'prolong' "
+                     f"only, got --doclens {bad[0]}")  # fmt: skip
+        if args.paper_elongate is not None and args.paper_elongate < 1:
+            ap.error(f"--paper-elongate must be >= 1, got {args.paper_elongate}")
+        if args.paper_cp is not None and (args.paper_cp < 1 or args.paper_cp & (args.paper_cp - 1)):
+            ap.error(f"--paper-cp must be a power of two, got {args.paper_cp}")
+        if args.mode == "paper" and not set(args.policy) & set(PAPER_POLICIES):
+            ap.error(f"--mode paper runs {list(PAPER_POLICIES)}; --policy names none of them")
     return archs, workloads, hw, opts
 
 
@@ -234,18 +266,23 @@ def _defaults(args, pp: bool) -> None:
     args.jobs = args.jobs or os.cpu_count() or 1
     args.model = args.model or list(ARCHS)
     args.doclens = args.doclens or list(DISTRIBUTIONS)
-    args.policy = args.policy or list(PP_POLICIES if pp else POLICIES)
+    default = PAPER_POLICIES if getattr(args, "mode", "fair") == "paper" else PP_POLICIES if pp else POLICIES
+    args.policy = args.policy or list(default)
 
 
 # ---- running ---------------------------------------------------------------------------------
 
 
 def _one_config(item: tuple, opts: Options, hw: Hardware) -> list[dict]:
-    return simulate_config(*item, opts, hw)
+    if opts.mode == "paper":
+        return simulate_paper_config(*item, opts, hw)
+    return [{"mode": "fair", **r} for r in simulate_config(*item, opts, hw)]
 
 
 def _one_pp_config(item: tuple, opts: Options, hw: Hardware) -> list[dict]:
-    return simulate_pp_config(*item, opts, hw)
+    if opts.mode == "paper":
+        return simulate_paper_pp_config(*item, opts, hw)
+    return [{"mode": "fair", **r} for r in simulate_pp_config(*item, opts, hw)]
 
 
 def _map_configs(grid: list[tuple], opts: Options, hw: Hardware, jobs: int, pp: bool = False):
@@ -255,7 +292,12 @@ def _map_configs(grid: list[tuple], opts: Options, hw: Hardware, jobs: int, pp: 
     if jobs == 1 or len(grid) == 1:
         slow: dict[str, int] = {}
         for item in grid:
-            yield simulate_pp_config(*item, opts, hw) if pp else simulate_config(*item, opts, hw, slow)
+            if pp:
+                yield _one_pp_config(item, opts, hw)
+            elif opts.mode == "paper":
+                yield simulate_paper_config(*item, opts, hw)
+            else:
+                yield [{"mode": "fair", **r} for r in simulate_config(*item, opts, hw, slow)]
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -299,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     gpus = sorted(args.gpus or [64, 128, 256, 512])
     ctxs = sorted(args.context or [131072, 262144, 524288])
     grid = [(a, w, g, c) for a in archs for w in workloads for g in gpus for c in ctxs]
+    if args.mode != "fair":
+        return main_paper(args, grid, archs, hw, opts)
     rows, wall = _run(grid, opts, hw, args, pp=False)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -342,6 +386,45 @@ def _print_placement(rows: list[dict], opts: Options) -> None:
         print(placement_table(rows))
 
 
+def main_paper(args, grid: list[tuple], archs: list[Arch], hw: Hardware, opts: Options, pp: bool = False) -> int:
+    """--mode paper (the paper code's experiment) or both (fair mode first, then paper mode, on ``grid``);
+    with ``pp`` the --pp grid."""
+    rows: list[dict] = []
+    fair: list[dict] = []
+    walls = {}
+    if args.mode == "both":
+        allowed = PP_POLICIES if pp else POLICIES
+        fopts = dataclasses.replace(opts, policies=tuple(p for p in opts.policies if p in allowed))
+        fair, walls["fair"] = _run(grid, fopts, hw, args, pp=pp)
+    popts = dataclasses.replace(opts, mode="paper", policies=tuple(p for p in opts.policies if p in PAPER_POLICIES))
+    rows, walls["paper"] = _run(grid, popts, hw, args, pp=pp)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = "results_pp.jsonl" if pp else "results.jsonl"
+    (out_dir / name).write_text("".join(json.dumps(r) + "\n" for r in fair + rows))
+    if not args.json:
+        for a in archs:
+            print(a.describe())
+        print(
+            f"{hw.name.upper()}: {hw.peak_flops / 1e12:.0f} TFLOP/s x MFU {hw.linear_mfu}, "
+            f"IB {hw.ib_bytes_per_s / 1e9:g} GB/s/GPU, TP={opts.tp}, cost model {hw.cost_model!r}, sync={opts.sync}, tolerance={opts.tolerance}, "
+            f"seeds={opts.seeds}; paper mode: the paper code's generators and packing (elongation "
+            f"{opts.paper_elongate or 'context // 65536'}), its WLB-ideal (closed-form packing, "
+            f"{'CP ' + str(opts.paper_cp) if opts.paper_cp else 'one CP degree per configuration, the best'}, "
+            "all-gather exposed, no ping-pong)\n"
+        )
+        if fair:
+            print(pp_table(fair) if pp else table(fair))
+            print()
+        print("modelled, not measured: distca's speedup over WLB-ideal, 95% interval over the batches")
+        print(paper_mode_pp_table(rows, fair) if pp else paper_mode_table(rows, fair))
+        if pp:
+            print("\neach policy at its own best P (P: distca's / WLB-ideal's in paper mode):")
+            print(paper_mode_pp_best_table(rows, fair))
+        print("\n" + ", ".join(f"{k} mode {v:.1f} s" for k, v in walls.items()) + f"; results in {out_dir / name}")
+    return 0
+
+
 def _print_details(rows: list[dict], details: bool | None) -> None:
     """The per-policy table: of every row with ``--details``, of none with ``--no-details``, else of the
     rows outside the paper's (model, doclens) pairs (a user's model or workload)."""
@@ -372,6 +455,8 @@ def main_pp(ap: argparse.ArgumentParser, args) -> int:
                 for ctx in sorted(args.context or ctx_l):
                     for w in workloads:
                         grid.append((arch, w, gpus, ctx, P, args.microbatches or 2 * P))
+    if args.mode != "fair":
+        return main_paper(args, grid, archs, hw, opts, pp=True)
     rows, wall = _run(grid, opts, hw, args, pp=True)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -461,3 +461,90 @@ def placement_table(rows: list[dict], pingpong: bool = True) -> str:
             f"{_fmt(dp.get('speedup_vs_pack')):>6} | {get('pack', 'placed_share'):>6}"
         )
     return "\n".join(out)
+
+
+def _where(v: float, ci: list[float] | None, paper: tuple[float, float]) -> str:
+    lo, hi = ci if ci else (v, v)
+    return ("above" if lo > paper[1] else "below" if hi < paper[0]
+            else "within" if paper[0] <= lo and hi <= paper[1] else "overlap")  # fmt: skip
+
+
+def _short_cell(v: float | None, ci: list[float] | None, paper: tuple[float, float] | None) -> str:
+    """``1.04 [1.03,1.06] below``, 27 characters; ``-`` where there is no value."""
+    if v is None:
+        return f"{'-':<27}"
+    iv = f"[{ci[0]:.2f},{ci[1]:.2f}]" if ci else "(<3 seeds)"
+    return f"{v:.2f} {iv:<11} {_where(v, ci, paper) if paper else '':<7}"[:27].ljust(27)
+
+
+def paper_mode_table(paper: list[dict], fair: list[dict] | None = None, pp: bool = False) -> str:
+    """Per (model, doclens, GPUs, context[, P]): the paper's range against WLB-ideal (3D, or 4D with
+    ``pp``); ours in paper mode (distca with ping-pong against the paper code's WLB-ideal, no overlap,
+    its fixed CP degree ``cp``; ``el``: the elongation; ``>ctx``: share of the batches' tokens in
+    documents longer than the context before the packing cut them); and, when ``fair`` rows are given,
+    ours in fair mode with both overlapped and with the baseline's all-gather exposed. Each cell:
+    speedup (ratio of mean modelled step times) [95% interval over the batches] and where it lies
+    against the paper's range."""
+    key = lambda r: (r["model"], r["doclens"], r["gpus"], r["context"]) + ((r["pp"],) if pp else ())  # noqa: E731
+    pd = {key(r): r for r in paper if r.get("policy") == "distca" and r.get("pingpong") and "step_s" in r}
+    pw = {key(r): r for r in paper if r.get("policy") == "wlb_ideal" and "step_s" in r}
+    fd = {key(r): r for r in (fair or []) if r.get("policy") == "distca" and r.get("pingpong") and "step_s" in r}
+    wm, wd = _widths(paper + (fair or []))
+    field = "paper_4d_vs_wlb" if pp else "paper_3d_vs_wlb"
+    head = (f"{'model':<{wm}} {'doclens':<{wd}} {'gpus':>4} {'ctx':>4}{'  P' if pp else ''} | "
+            f"{'paper 4D' if pp else 'paper 3D':>9} | {'paper mode: pp vs wlbi0':<27} "
+            f"{'cp':>2} {'el':>2} {'>ctx':>4} | "
+            f"{'fair: both overlapped':<27} | {'fair: baseline exposed':<27}")  # fmt: skip
+    out = [head, "-" * len(head)]
+    for k in sorted(set(pd) | set(fd)):
+        r, w, f = pd.get(k, {}), pw.get(k, {}), fd.get(k, {})
+        p = (r or f).get(field)
+        p = tuple(p) if p else None
+        out.append(
+            f"{k[0]:<{wm}} {k[1]:<{wd}} {k[2]:>4} {_k(k[3]):>4}" + (f" {k[4]:>2}" if pp else "") + " | "
+            + (f"{p[0]:.2f}-{p[1]:.2f}" if p else f"{'-':>9}") + " | "
+            + _short_cell(r.get("speedup_vs_wlb_ideal"), r.get("speedup_vs_wlb_ideal_ci95"), p)
+            + f" {w.get('cp', '-')!s:>2} {r.get('elongate', '-')!s:>2} {_fmt(r.get('long_doc_share'), '.2f'):>4} | "
+            + _short_cell(f.get("speedup_vs_wlb_ideal"), f.get("speedup_vs_wlb_ideal_ci95"), p) + " | "
+            + _short_cell(f.get("speedup_vs_wlb_ideal_no_pp"), f.get("speedup_vs_wlb_ideal_no_pp_ci95"), p)
+        )
+    return "\n".join(out)
+
+
+def paper_mode_pp_table(paper: list[dict], fair: list[dict] | None = None) -> str:
+    """:func:`paper_mode_table` of --pp rows, one line per P."""
+    return paper_mode_table(paper, fair, pp=True)
+
+
+def paper_mode_pp_best_table(paper: list[dict], fair: list[dict] | None = None) -> str:
+    """Per (model, doclens, GPUs, context) of a --pp run: the paper's 4D range; ours in paper mode
+    (distca with ping-pong against the paper code's WLB-ideal without overlap) and, with ``fair``
+    rows, in fair mode (both overlapped; baseline exposed), each policy at its own best P
+    (:func:`best_p`, as the paper tunes each system); ``P`` = distca's / WLB-ideal's in paper mode.
+    Speedup [95% interval, seeds paired by index] and where it lies against the paper's range."""
+    pb, fb = best_p(paper), best_p(fair or [])
+    wm, wd = _widths(paper + (fair or []))
+    head = (f"{'model':<{wm}} {'doclens':<{wd}} {'gpus':>4} {'ctx':>4} | {'paper 4D':>9} | "
+            f"{'paper mode: pp vs wlbi0':<27} {'P':>5} {'cp':>2} | {'fair: both overlapped':<27} | "
+            f"{'fair: baseline exposed':<27}")  # fmt: skip
+    out = [head, "-" * len(head)]
+
+    def cell(cellmap, base_pp):
+        d, w = cellmap.get(("distca", True)), cellmap.get(("wlb_ideal", base_pp))
+        if d is None or w is None:
+            return f"{'-':<27}", d, w
+        return _short_cell(w["step_s"] / d["step_s"], _ratio_ci95(w["step_s_seeds"], d["step_s_seeds"]), p), d, w
+
+    for key in sorted(set(pb) | set(fb)):
+        pc, fc = pb.get(key, {}), fb.get(key, {})
+        any_row = next(iter((pc or fc).values()))
+        p = any_row.get("paper_4d_vs_wlb")
+        p = tuple(p) if p else None
+        c0, d, w = cell(pc, False)
+        ps = f"{d['pp']}/{w['pp']}" if d and w else "-"
+        out.append(
+            f"{key[0]:<{wm}} {key[1]:<{wd}} {key[2]:>4} {_k(key[3]):>4} | "
+            + (f"{p[0]:.2f}-{p[1]:.2f}" if p else f"{'-':>9}") + f" | {c0} {ps:>5} {(w or {}).get('cp', '-')!s:>2} | "
+            + cell(fc, True)[0] + " | " + cell(fc, False)[0]
+        )
+    return "\n".join(out)

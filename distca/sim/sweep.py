@@ -75,6 +75,12 @@ class Options:
     price_bytes: bool = False
     """Plan with the network priced (:func:`planner_cost_model`): the planner's ``cost_model`` is the
     kernel model plus a network model of this hardware (``h200+hgx_h200``'s fields, per CA rank)."""
+    mode: str = "fair"
+    """``"fair"`` (this module) or ``"paper"``: the paper code's experiment (:mod:`distca.sim.paper_mode`)."""
+    paper_elongate: int | None = None
+    """Paper mode: Pretrain elongation (ProLong replacement length / 65536); None: context // 65536."""
+    paper_cp: int | None = None
+    """Paper mode: WLB-ideal's CP degree for every configuration; None: the best per configuration."""
 
     def sampling(self) -> dict:
         """:func:`distca.sim.workloads.build_layout`'s keyword arguments."""
