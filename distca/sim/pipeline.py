@@ -412,6 +412,31 @@ def pp_subtick_step(
     return PPStep(step, float(np.mean(sp)), float(np.mean(sp_all)), 1.0 - comp_total / (R * step), bound)
 
 
+def plan_subticks(
+    subticks: list[tuple[str, list[int | None]]], mbs: list[Layout], nanos: list[tuple[Layout, Layout]] | None,
+    dp: int, ctx: int, policy: str, tolerance: float, shape, cost_model, hw: Hardware, tp: int,
+) -> tuple[list[tuple], list[float], float]:
+    """Plan every sub-tick of a tick-synchronous schedule on its own: ``(subs, imbalances, plan_ms)``
+    with ``subs`` [(direction, RankCosts or one per nano-batch, active ranks)] as
+    :func:`pp_subtick_step` takes them, one imbalance per plan, and the planner's total wall ms.
+    With ``nanos`` (each micro-batch split into two nano-batches, as the runtime does) each
+    sub-tick's two nano-batches are planned on their own (ping-pong)."""
+    subs, imb, ms = [], [], 0.0
+    R = dp * len(subticks[0][1])
+    for d, assign in subticks:
+        costs = []
+        for n in (0, 1) if nanos is not None else (None,):
+            parts = [None if m is None else (mbs[m] if n is None else nanos[m][n]) for m in assign]
+            lay, active = stage_layout(parts, dp, ctx if n is None else ctx // 2)
+            t0 = time.perf_counter()
+            p = plan(lay, policy, tolerance=tolerance, shape=shape, cost_model=cost_model)
+            ms += (time.perf_counter() - t0) * 1e3
+            costs.append(rank_costs(p.loads, p.traffic, shape, np.zeros(R, dtype=np.int64), hw, tp))
+            imb.append(p.imbalance)
+        subs.append((d, costs[0] if len(costs) == 1 else tuple(costs), active))
+    return subs, imb, ms
+
+
 def simulate_pp_config(arch: Arch, workload: Workload, gpus: int, ctx: int, pp: int, mb: int, opts: Options,
                        hw: Hardware) -> list[dict]:  # fmt: skip
     """Every --pp policy x {no ping-pong, ping-pong} for one (model, doclens, gpus, context, P, M)."""
@@ -515,19 +540,10 @@ def simulate_pp_config(arch: Arch, workload: Workload, gpus: int, ctx: int, pp: 
                 # distca.split_nano_batches) are planned on their own too.
                 nanos = [split_nano_batches(lay, "stream") for lay in mbs]
                 for ppg in (False, True):
-                    subs, imb, ms = [], [], 0.0
-                    for d, assign in subticks:
-                        costs = []
-                        for n in (0, 1) if ppg else (None,):
-                            parts = [None if m is None else (mbs[m] if n is None else nanos[m][n]) for m in assign]
-                            lay, active = stage_layout(parts, DP, ctx if n is None else ctx // 2)
-                            t0 = time.perf_counter()
-                            p = plan(lay, PLACED.get(policy, policy), tolerance=opts.tolerance, shape=shape,
-                                     cost_model=pcm)  # fmt: skip
-                            ms += (time.perf_counter() - t0) * 1e3
-                            costs.append(rank_costs(p.loads, p.traffic, shape, np.zeros(R, dtype=np.int64), hw, tp))
-                            imb.append(p.imbalance)
-                        subs.append((d, costs[0] if len(costs) == 1 else tuple(costs), active))
+                    subs, imb, ms = plan_subticks(
+                        subticks, mbs, nanos if ppg else None, DP, ctx, PLACED.get(policy, policy), opts.tolerance,
+                        shape, pcm, hw, tp,
+                    )  # fmt: skip
                     st = pp_subtick_step(subs, pp, layers, lin_f, head_f, bf, ppg, p2p, pp_p2p_transfers(sched, pp, mb),
                                          hw.op_overhead(ppg), mode["tick"])  # fmt: skip
                     acc.setdefault((policy, ppg), []).append((st, float(np.mean(imb)), ms / len(imb), None))
