@@ -16,6 +16,7 @@ with the same arguments gets the same order.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -460,26 +461,33 @@ def _emit(lens, pour, R, T, s0, long_at, split_at, items, item_slot) -> np.ndarr
     into the next slot."""
     mine = (item_slot >= s0) & (item_slot < s0 + R)
     it, it_slot = items[mine], item_slot[mine] - s0
-    it_sorted = it[np.argsort(it_slot, kind="stable")]
-    by_slot = np.split(it_sorted, np.searchsorted(np.sort(it_slot, kind="stable"), np.arange(1, R)))
-    cum = np.concatenate([[0], np.cumsum(lens[pour])])
+    srt = np.argsort(it_slot, kind="stable")
+    it_sorted = it[srt]
+    # Per slot: its placed documents (a slice of it_sorted) and their tokens, read once as lists
+    # (this loop runs once per slot: per-slot numpy calls would dominate it).
+    first = np.searchsorted(it_slot[srt], np.arange(R + 1)).tolist()
+    item_tok = np.bincount(it_slot, lens[it], R).astype(np.int64).tolist()
+    cum_a = np.concatenate([[0], np.cumsum(lens[pour])])
+    cum = cum_a.tolist()
     out: list[np.ndarray] = []
     pos, j = 0, 0  # stream position; next poured document
     for r in range(R):
         s = s0 + r
-        lg = np.asarray(long_at.get(s, ()), dtype=np.int64)
-        here = np.concatenate([lg, by_slot[r]])
-        out.append(here)
-        pos += int(lens[here].sum())
+        lg = long_at.get(s)
+        if lg:
+            out.append(np.asarray(lg, dtype=np.int64))
+            pos += int(lens[lg].sum())
+        out.append(it_sorted[first[r] : first[r + 1]])
+        pos += item_tok[r]
         end = (r + 1) * T
         if s in split_at:
             d, a = split_at[s]
             want = end - a - pos  # poured tokens that put the cut where it was planned
-            k = int(np.searchsorted(cum, cum[j] + max(want, 0), side="right")) - 1  # most that fit
-            if k + 1 < cum.size and (cum[k + 1] - cum[j]) - want < want - (cum[k] - cum[j]):
+            k = bisect.bisect_right(cum, cum[j] + max(want, 0)) - 1  # most that fit
+            if k + 1 < len(cum) and (cum[k + 1] - cum[j]) - want < want - (cum[k] - cum[j]):
                 k += 1  # one more comes closer
             out.append(pour[j:k])
-            pos += int(cum[k] - cum[j])
+            pos += cum[k] - cum[j]
             j = k
             out.append(np.asarray([d], dtype=np.int64))
             pos += int(lens[d])
@@ -487,15 +495,15 @@ def _emit(lens, pour, R, T, s0, long_at, split_at, items, item_slot) -> np.ndarr
             # The next slot ends with a split head: a poured document running into it would push
             # the head's start later (a shorter head, a heavier tail), so stop short of the end;
             # the next slot pours the difference.
-            k = int(np.searchsorted(cum, cum[j] + (end - pos), side="right")) - 1
+            k = bisect.bisect_right(cum, cum[j] + (end - pos)) - 1
             out.append(pour[j:k])
-            pos += int(cum[k] - cum[j])
+            pos += cum[k] - cum[j]
             j = k
         elif pos < end:
-            k = int(np.searchsorted(cum, cum[j] + (end - pos), side="left"))  # pour while the stream is short of the end
-            k = min(k, cum.size - 1)
+            k = bisect.bisect_left(cum, cum[j] + (end - pos))  # pour while the stream is short of the end
+            k = min(k, len(cum) - 1)
             out.append(pour[j:k])
-            pos += int(cum[k] - cum[j])
+            pos += cum[k] - cum[j]
             j = k
     out.append(pour[j:])
     return np.concatenate(out).astype(np.int64)
