@@ -81,16 +81,48 @@ def test_bytes_lower_bound_holds_for_every_policy_and_is_not_vacuous():
         assert lbs == sorted(lbs, reverse=True) and lbs[0] > lbs[-1]
 
 
+def test_fanout_bound_holds_for_every_policy_and_is_not_vacuous():
+    """The KV fan-out bound is below every policy's max-server bytes at that policy's own max load,
+    above the excess-only bound on documents that span ranks, zero when no document spans a rank
+    boundary, and grows as the allowed max load shrinks."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import numpy as np
+
+    from bench_planner import bytes_lower_bound, fanout_bound
+    from distca import POLICIES, Layout, plan
+    from distca.doclens import load_doclens, sample_doclens
+
+    pool = load_doclens("prolong")
+    beats_excess = 0
+    for seed, (R, T) in [(1, (16, 16384)), (2, (32, 8192)), (3, (16, 32768))]:
+        lay = Layout.from_doclens(sample_doclens(pool, R * T, upsample=4, upsample_threshold=8192, seed=seed), R, T)
+        for policy in POLICIES:
+            p = plan(lay, policy, cost_model="h200")
+            fb = fanout_bound(lay, float(p.loads.max()), "llama3-8b", "h200")
+            assert fb <= p.traffic.max_server_bytes, (policy, fb, p.traffic.max_server_bytes)
+        p = plan(lay, "distca", cost_model="h200")
+        m = float(p.loads.max())
+        fb = fanout_bound(lay, m, "llama3-8b", "h200")
+        beats_excess += fb > bytes_lower_bound(lay, m, "llama3-8b", "h200")
+        fbs = [fanout_bound(lay, float(x), "llama3-8b", "h200") for x in np.linspace(m / 4, m, 4)]
+        assert fbs == sorted(fbs, reverse=True) and fbs[0] > fbs[-1]
+    assert beats_excess >= 2
+    # Documents that never cross a rank boundary need no KV from another rank.
+    lay = Layout.from_doclens([1000, 3096, 2048, 2048], 2, 4096)
+    assert fanout_bound(lay, 1e-9, "llama3-8b", "h200") == 0
+
+
 def test_compare_json(tmp_path):
     r = run("--doclens", "pretrain", "--ranks", "8", "--tokens-per-rank", "16384", "--compare", "--tolerances", "0.05",
             "--model", "debug", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
     (row,) = [json.loads(line) for line in r.stdout.splitlines()]
     assert row["tolerance"] == 0.05 and row["lower_bound_max_server_bytes"] <= row["distca_max_server_bytes"]
+    assert row["fanout_bound_max_server_bytes"] <= row["distca_max_server_bytes"]
     assert row["greedy_equal_balance_reached"] == (row["greedy_equal_balance_imbalance"] <= row["distca_imbalance"])
 
 
-@pytest.mark.parametrize("kind", ["heavy_tail", "one_doc", "tiny_mix"])
+@pytest.mark.parametrize("kind", ["heavy_tail", "one_doc", "tiny_mix", "many_tiny"])
 def test_synthetic_batches(kind):
     """The constructed batch shapes sum to the budget, have the shape they are named for, and plan
     to within 2% of the mean (16 ranks x 16K: a min_shard chunk deep in a document is ~1% of a
