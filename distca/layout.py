@@ -185,6 +185,10 @@ class Layout:
         object.__setattr__(self, "ranks", ranks)
         object.__setattr__(self, "tokens_per_rank", tokens)
         object.__setattr__(self, "cu_seqlens", tuple(cu.tolist()))
+        # The validated array is :attr:`cu_array` (a cached property: building it again from the
+        # tuple costs milliseconds at tens of thousands of documents).
+        cu.flags.writeable = False
+        self.__dict__["cu_array"] = cu
         object.__setattr__(self, "context", _check_context(self.context, cu.size - 1, ranks * tokens))
         object.__setattr__(self, "padding", _check_padding(self.padding, cu.size - 1, self.context))
         if not isinstance(self.kv_prefix, bool):
@@ -215,7 +219,7 @@ class Layout:
         n = int(np.searchsorted(cum, total, side="left")) + 1  # docs needed to reach total
         cu = np.concatenate([[0], cum[:n]])
         cu[-1] = total
-        return cls(tuple(cu.tolist()), ranks, tokens)
+        return cls(cu, ranks, tokens)  # type: ignore[arg-type]  # __post_init__ stores it as a tuple
 
     # ---- derived views --------------------------------------------------------------
 
