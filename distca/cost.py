@@ -367,6 +367,12 @@ def traffic(
     """
     T, ranks = layout.tokens_per_rank, layout.ranks
     g0 = layout.q_base[doc]
+    # Tasks whose KV prefix and query rows all lie on their own server move nothing (most of a
+    # plan's tasks: every short document served where it lives); leave them out before the work.
+    home = g0 // T
+    away = (home != server) | ((g0 + q_end - 1) // T != server) | (layout.context_tokens[doc] > 0)
+    if not away.all():
+        doc, q_start, q_end, server, g0 = doc[away], q_start[away], q_end[away], server[away], g0[away]
     # Q / O rows: one interval per task.
     qi, qh, qrows = _split_rows(g0 + q_start, g0 + q_end, T)
     qdst = server[qi]

@@ -254,10 +254,15 @@ def _split_heavy(short, lens, work, mean, R, T, M, cap, base, cm) -> dict[int, t
         return {}
     rest = short[work[short] <= SPLIT * mean]
     need = float((T - lens[cand]).sum())
-    by_len = rest[np.argsort(lens[rest], kind="stable")]
-    ct = np.cumsum(lens[by_len])
+    # A document's work is a function of its length alone, so sorting the lengths (not their
+    # indices, and not stably) gives the same sums.
+    by_len = np.sort(lens[rest])
+    ct = np.cumsum(by_len)
     k = min(int(np.searchsorted(ct, need)) + 1, by_len.size)
-    rho_lo = float(work[by_len[:k]].sum()) / max(float(ct[k - 1]), 1.0) if k else float(work[cand].sum() / lens[cand].sum())
+    rho_lo = (
+        float(cm.task_time(np.zeros(k, np.int64), by_len[:k]).sum()) / max(float(ct[k - 1]), 1.0)
+        if k else float(work[cand].sum() / lens[cand].sum())
+    )  # fmt: skip
     heavy = cand[work[cand] + rho_lo * (T - lens[cand]) > (1.0 + SPLIT_SLACK) * mean]
     rho_rest = float(work[rest].sum()) / max(float(lens[rest].sum()), 1.0)
     if not heavy.size:
