@@ -472,8 +472,7 @@ def _emit(lens, pour, R, T, s0, long_at, split_at, items, item_slot) -> np.ndarr
     # (this loop runs once per slot: per-slot numpy calls would dominate it).
     first = np.searchsorted(it_slot[srt], np.arange(R + 1)).tolist()
     item_tok = np.bincount(it_slot, lens[it], R).astype(np.int64).tolist()
-    cum_a = np.concatenate([[0], np.cumsum(lens[pour])])
-    cum = cum_a.tolist()
+    cum = np.concatenate([[0], np.cumsum(lens[pour])]).tolist()
     out: list[np.ndarray] = []
     pos, j = 0, 0  # stream position; next poured document
     for r in range(R):
