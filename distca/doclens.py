@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["DISTRIBUTIONS", "load_doclens", "sample_doclens"]
+__all__ = ["DISTRIBUTIONS", "load_doclens", "sample_doclens", "take_tokens"]
 
 DISTRIBUTIONS = ("pretrain", "prolong")
 
@@ -52,12 +52,17 @@ def sample_doclens(
     rep = np.where(lens >= upsample_threshold, upsample, 1)
     pool = np.repeat(lens, rep)
     pool = pool[np.random.default_rng(seed).permutation(pool.size)]
-    cum = np.cumsum(pool)
-    if cum[-1] < total_tokens:
-        reps = int(-(-total_tokens // int(cum[-1])))  # tile the shuffled pool if one pass is short
-        pool = np.tile(pool, reps)
-        cum = np.cumsum(pool)
+    have = int(pool.sum())
+    if have < total_tokens:
+        pool = np.tile(pool, -(-total_tokens // have))  # tile the shuffled pool if one pass is short
+    return take_tokens(pool, total_tokens)
+
+
+def take_tokens(doclens: np.ndarray, total_tokens: int) -> np.ndarray:
+    """``doclens`` taken in order until they hold ``total_tokens`` tokens, the last one cut (int64, a
+    copy). They must hold at least that many."""
+    cum = np.cumsum(doclens)
     n = int(np.searchsorted(cum, total_tokens, side="left")) + 1
-    out = pool[:n].copy()
+    out = np.asarray(doclens[:n], dtype=np.int64).copy()
     out[-1] -= int(cum[n - 1]) - total_tokens
     return out

@@ -38,8 +38,9 @@ import numpy as np
 
 from distca import MODEL_SHAPES, POLICIES, Layout, place, plan
 from distca.cost import exposed_seconds
-from distca.doclens import load_doclens, sample_doclens
+from distca.doclens import load_doclens, sample_doclens, take_tokens
 from distca.planner.plans import layer_seconds
+from distca.sim.workloads import heavy_tail_lengths
 
 
 SYNTHETIC = ("heavy_tail", "one_doc", "tiny_mix", "many_tiny")
@@ -50,7 +51,8 @@ def synthetic_batch(kind: str, total: int, seed: int = 0) -> np.ndarray:
     distributions do not have:
 
     - ``heavy_tail``: a code-repository-like mix: lognormal body (median 1.5K tokens), 3% of
-      documents from a Pareto tail (16K x (1 + Pareto(1.1))), capped at 1M tokens;
+      documents from a Pareto tail (16K x (1 + Pareto(1.1))), capped at 1M tokens
+      (``distca.sim.workloads.heavy_tail_lengths``, the simulator's ``heavy_tail`` workload);
     - ``one_doc``: one document of ``total`` tokens across every rank;
     - ``tiny_mix``: 10% of the tokens in tiny documents (lognormal, median 48, 1-512 tokens), the
       rest a Pretrain sample, shuffled together (177K documents at 512 ranks x 128K);
@@ -60,10 +62,7 @@ def synthetic_batch(kind: str, total: int, seed: int = 0) -> np.ndarray:
     """
     rng = np.random.default_rng(seed)
     if kind == "heavy_tail":
-        n = total // 500
-        body = rng.lognormal(np.log(1500), 1.2, n)
-        tail = 16384 * (1 + rng.pareto(1.1, n))
-        lens = np.clip(np.where(rng.random(n) < 0.03, tail, body), 16, 1 << 20).astype(np.int64)
+        return heavy_tail_lengths(total, seed)
     elif kind == "one_doc":
         return np.array([total], dtype=np.int64)
     elif kind in ("tiny_mix", "many_tiny"):
@@ -74,11 +73,7 @@ def synthetic_batch(kind: str, total: int, seed: int = 0) -> np.ndarray:
         lens = lens[rng.permutation(lens.size)]
     else:
         raise ValueError(f"synthetic batch must be one of {list(SYNTHETIC)}, got {kind!r}")
-    cum = np.cumsum(lens)
-    n = int(np.searchsorted(cum, total)) + 1
-    out = lens[:n].copy()
-    out[-1] -= int(cum[n - 1]) - total
-    return out
+    return take_tokens(lens, total)
 
 
 def build_layout(args: argparse.Namespace) -> Layout:

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from distca import Layout
-from distca.doclens import DISTRIBUTIONS, load_doclens, sample_doclens
+from distca.doclens import DISTRIBUTIONS, load_doclens, sample_doclens, take_tokens
 
 SYNTHETIC = ("heavy_tail", "long_docs")
 """Synthetic workloads ``--doclens`` accepts by name (:func:`synthetic_pool`)."""
@@ -65,15 +65,6 @@ class Workload:
         return self.source is None and self.name in DISTRIBUTIONS
 
 
-def _cut(lens: np.ndarray, total: int) -> np.ndarray:
-    """``lens`` taken in order up to ``total`` tokens, the last one cut (``total`` <= their sum)."""
-    cum = np.cumsum(lens)
-    n = int(np.searchsorted(cum, total)) + 1
-    out = lens[:n].astype(np.int64)
-    out[-1] -= int(cum[n - 1]) - total
-    return out
-
-
 def heavy_tail_lengths(total: int, seed: int = 0) -> np.ndarray:
     """Document lengths (int64, summing to ``total``) of a code-repository-like mix, the planner
     benchmark's ``heavy_tail`` batch (``scripts/bench_planner.py``): a lognormal body (median 1.5K
@@ -86,7 +77,7 @@ def heavy_tail_lengths(total: int, seed: int = 0) -> np.ndarray:
     lens = np.clip(np.where(rng.random(n) < 0.03, tail, body), 16, 1 << 20).astype(np.int64)
     while int(lens.sum()) < total:  # not reached for the pool's size; kept for small totals
         lens = np.concatenate([lens, lens])
-    return _cut(lens, total)
+    return take_tokens(lens, total)
 
 
 def long_docs_lengths(total: int, seed: int = 0, share: float = LONG_DOCS[0], lo: int = LONG_DOCS[1],
@@ -99,7 +90,7 @@ def long_docs_lengths(total: int, seed: int = 0, share: float = LONG_DOCS[0], lo
     long = []
     while sum(long) < want:
         long.append(int(np.exp(rng.uniform(np.log(lo), np.log(hi)))))
-    long = _cut(np.asarray(long, dtype=np.int64), want) if want else np.zeros(0, np.int64)
+    long = take_tokens(np.asarray(long, dtype=np.int64), want) if want else np.zeros(0, np.int64)
     long = long[long > 0]
     rest = sample_doclens(load_doclens("pretrain"), total - int(long.sum()), upsample=1, seed=seed)
     lens = np.concatenate([long, rest])
