@@ -554,6 +554,7 @@ def place_windows(
         so their total modelled work differs slightly.)
     """
     from distca import Layout, place
+    from distca.planner.placement import slot_work
 
     for arg, v in (("ranks", ranks), ("tokens_per_rank", tokens_per_rank)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -577,8 +578,7 @@ def place_windows(
     p = place(lens, S, ts, micro_batches=M, cost_model=cm, shape=sh)
     work = []
     for c in cus:  # the same slots in the stream's order: what the planner would see without placement
-        seg = Layout(tuple(c.tolist()), S, ts).segments
-        work.append(np.bincount(seg.rank, cm.task_time(seg.start, seg.end), S))
+        work.append(slot_work(Layout(tuple(c.tolist()), S, ts), cm))
     work = np.asarray(work, dtype=np.float64)
     mean = float(work.mean())
     before = float(work.max()) / mean if mean > 0 else 1.0

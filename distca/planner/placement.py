@@ -25,7 +25,7 @@ import numpy as np
 from distca.cost import CostModel, ModelShape
 from distca.layout import Layout
 
-__all__ = ["Placement", "place"]
+__all__ = ["Placement", "place", "slot_work"]
 
 FILLER = 1e-3
 """Documents whose whole-document work is below this fraction of a slot's mean work are
@@ -177,6 +177,14 @@ def place(
     return _finish(lens, orders, R, T, cm, False)
 
 
+def slot_work(layout: Layout, cost_model: CostModel) -> np.ndarray:
+    """Modelled colocated attention seconds (one layer's forward) of each rank of ``layout``, float64
+    [R]: what :attr:`Placement.slot_work` holds for a placed order, and what a loader compares it
+    with for the order it was given (the colocated plan's loads)."""
+    s = layout.segments
+    return np.bincount(s.rank, cost_model.task_time(s.start, s.end), layout.ranks)
+
+
 def _pos_int(name: str, v: object) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
         raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -188,8 +196,7 @@ def _finish(lens: np.ndarray, orders: list[np.ndarray], R: int, T: int, cm: Cost
     for o in orders:
         o.flags.writeable = False
         lay = Layout.from_doclens(lens[o], R, T)
-        s = lay.segments
-        work.append(np.bincount(s.rank, cm.task_time(s.start, s.end), R))
+        work.append(slot_work(lay, cm))
         layouts.append(lay)
     w = np.asarray(work, dtype=np.float64).reshape(len(orders), R)
     w.flags.writeable = False

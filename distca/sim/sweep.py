@@ -7,15 +7,15 @@ A row is a JSON-able dict per (model, doclens, gpus, context, policy, pingpong);
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-import dataclasses
-
 from distca import load_cost_model, place, plan
+from distca.planner.placement import slot_work
 from distca.sim.baselines import wlb_buffer_bound, wlb_caps, wlb_cp_step, wlb_ideal_step
 from distca.sim.hardware import ARCHS, TP, Arch, Hardware, linear_fwd_s, memory_fields, recompute_layers
 from distca.sim.step import rank_costs, step_time
@@ -131,12 +131,6 @@ def placed_layout(lay, cm, shape):
     if p.imbalance < before:
         return list(p.layouts), ms, True
     return lays, ms, False
-
-
-def slot_work(lay, cm) -> np.ndarray:
-    """Modelled colocated attention seconds of each rank of ``lay`` (what ``Placement.slot_work`` holds)."""
-    s = lay.segments
-    return np.bincount(s.rank, cm.task_time(s.start, s.end), lay.ranks)
 
 
 def _paper(arch: Arch, workload: Workload) -> bool:
