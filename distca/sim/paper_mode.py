@@ -329,7 +329,6 @@ def simulate_paper_config(arch: Arch, workload: Workload, gpus: int, ctx: int, o
     return _vs_wlb_ideal(rows)
 
 
-
 def _vs_wlb_ideal(rows: list[dict]) -> list[dict]:
     """``rows`` with distca's speedup over the paper's WLB-ideal (and its 95% interval) added: the
     paper's comparison, WLB-ideal with no overlap in either column (memory is reported, not gated:

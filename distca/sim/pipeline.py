@@ -58,10 +58,10 @@ micro-batches first (``distca.place(..., micro_batches=M)``): ``pack`` (then ``c
 schedule) and ``distca_placed`` (then ``distca``, tick-synchronous)."""
 
 TICK_POLICIES = ("greedy", "distca", "distca_placed")
+"""Policies planned once per tick over all R = DP x PP ranks (idle stages' ranks are servers)."""
 
 PP_BASELINES = ("wlb_cp", "wlb_ideal", "colocated", "distca_stage", "pack", "distca")
 """The policies each --pp row carries a ``speedup_vs_<base>`` against."""
-"""Policies planned once per tick over all R = DP x PP ranks (idle stages' ranks are servers)."""
 
 
 def bubble_fraction(pp: int, microbatches: int) -> float:
@@ -505,8 +505,7 @@ def simulate_pp_config(arch: Arch, workload: Workload, gpus: int, ctx: int, pp: 
                             ms += w.plan_s * 1e3
                             costs.append(wlb_costs(w.loads, w.ag_bytes, c, hw, tp))
                             imb.append(_spread(w.loads))
-                        items = graph(costs, np.arange(DP) // c, float(np.mean(imb)), ms / mb, (c, 1.0))
-                        items = list(items)
+                        items = list(graph(costs, np.arange(DP) // c, float(np.mean(imb)), ms / mb, (c, 1.0)))
                     else:
                         items = []
                         for ratio in wlb_ratios:

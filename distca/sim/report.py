@@ -529,22 +529,22 @@ def paper_mode_pp_best_table(paper: list[dict], fair: list[dict] | None = None) 
             f"{'fair: baseline exposed':<27}")  # fmt: skip
     out = [head, "-" * len(head)]
 
-    def cell(cellmap, base_pp):
+    def cell(cellmap, base_pp, paper):
         d, w = cellmap.get(("distca", True)), cellmap.get(("wlb_ideal", base_pp))
         if d is None or w is None:
             return f"{'-':<27}", d, w
-        return _short_cell(w["step_s"] / d["step_s"], _ratio_ci95(w["step_s_seeds"], d["step_s_seeds"]), p), d, w
+        return _short_cell(w["step_s"] / d["step_s"], _ratio_ci95(w["step_s_seeds"], d["step_s_seeds"]), paper), d, w
 
     for key in sorted(set(pb) | set(fb)):
         pc, fc = pb.get(key, {}), fb.get(key, {})
         any_row = next(iter((pc or fc).values()))
         p = any_row.get("paper_4d_vs_wlb")
         p = tuple(p) if p else None
-        c0, d, w = cell(pc, False)
+        c0, d, w = cell(pc, False, p)
         ps = f"{d['pp']}/{w['pp']}" if d and w else "-"
         out.append(
             f"{key[0]:<{wm}} {key[1]:<{wd}} {key[2]:>4} {_k(key[3]):>4} | "
             + (f"{p[0]:.2f}-{p[1]:.2f}" if p else f"{'-':>9}") + f" | {c0} {ps:>5} {(w or {}).get('cp', '-')!s:>2} | "
-            + cell(fc, True)[0] + " | " + cell(fc, False)[0]
+            + cell(fc, True, p)[0] + " | " + cell(fc, False, p)[0]
         )
     return "\n".join(out)
