@@ -62,6 +62,9 @@ def take_tokens(doclens: np.ndarray, total_tokens: int) -> np.ndarray:
     """``doclens`` taken in order until they hold ``total_tokens`` tokens, the last one cut (int64, a
     copy). They must hold at least that many."""
     cum = np.cumsum(doclens)
+    if cum.size == 0 or int(cum[-1]) < total_tokens:
+        have = int(cum[-1]) if cum.size else 0
+        raise ValueError(f"doclens hold {have} tokens, fewer than total_tokens={total_tokens}")
     n = int(np.searchsorted(cum, total_tokens, side="left")) + 1
     out = np.asarray(doclens[:n], dtype=np.int64).copy()
     out[-1] -= int(cum[n - 1]) - total_tokens

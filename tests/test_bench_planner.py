@@ -43,6 +43,17 @@ def test_batch_file_and_table(tmp_path):
     assert r.returncode != 0 and "holds 30 tokens, fewer than ranks*tokens_per_rank=8192" in r.stderr
 
 
+def test_take_tokens_cuts_the_last_document_and_refuses_too_few():
+    from distca.doclens import take_tokens
+
+    lens = np.array([5, 3, 9, 4], dtype=np.int64)
+    assert take_tokens(lens, 10).tolist() == [5, 3, 2]
+    assert take_tokens(lens, 8).tolist() == [5, 3]  # an exact fit cuts nothing
+    assert take_tokens(lens, 21).tolist() == [5, 3, 9, 4] and lens.tolist() == [5, 3, 9, 4]  # a copy
+    with pytest.raises(ValueError, match="hold 21 tokens, fewer than total_tokens=22"):
+        take_tokens(lens, 22)
+
+
 @pytest.mark.parametrize("name", ["pretrain", "prolong"])
 def test_shipped_distributions(name):
     from distca.doclens import load_doclens, sample_doclens
