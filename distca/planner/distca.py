@@ -22,6 +22,10 @@ __all__ = ["assign"]
 _DONE = 0.2
 # A receiver with less room than this fraction of the mean counts as full.
 _MIN_ROOM = 2e-3
+# A server may become a dedicated receiver (see :meth:`_Balancer.shed`) if its own work is below
+# this fraction of the mean and every document it holds is at most half a rank long: its own
+# pieces are then cheap to hand on (short KV prefixes), and it has most of a rank's room to give.
+_DEDICATED_LOAD = 0.6
 
 
 class _Balancer:
@@ -63,6 +67,43 @@ class _Balancer:
         """Donors the network model stopped: their next chunks would not pay (never asked again)."""
         self.net = Ledger(layout, cm, shape, mode, s.rank, s.doc, s.start, s.end) if cm.has_network else None
         """The network model's byte account (None: bytes are free): every move must pay for itself."""
+        self.own = self.load.tolist()
+        """Seconds of each server's own pieces it still holds (a dedicated receiver hands them on)."""
+        self.dedicated: list[int] = []
+        """Servers that took deep chunks in place of their own work, in the order they did."""
+        self._candidates = self._dedication_candidates(layout, s) if capacity is None else []
+        self._ded_set: set[int] = set()
+        self._ded_full: set[int] = set()  # dedicated receivers that take no more deep chunks
+        self._ded_open = 0  # dedicated[:_ded_open] are all full
+
+    def _dedication_candidates(self, layout: Layout, s) -> list[int]:
+        """Servers that may become dedicated receivers, least own work first (ties: lower rank)."""
+        mean = float(self.load.sum()) / self.R
+        longest = np.zeros(self.R, dtype=np.int64)
+        np.maximum.at(longest, s.rank, layout.doc_lens[s.doc])
+        ok = np.nonzero((self.load < _DEDICATED_LOAD * mean) & (longest <= self.T // 2))[0]
+        return ok[np.argsort(self.load[ok], kind="stable")].tolist()[::-1]  # a stack: pop() is lightest
+
+    def _dedicated_for(self, deep: list[int], fill_to: float, min_room: float, load: list[float]):
+        """A dedicated receiver for a chunk of ``deep`` (the donor's deep pieces), and the load it
+        counts as holding (what it received; its own pieces are handed on): first one that already
+        reads the heaviest deep piece's document, then one with room left, then a new one (None:
+        no candidate is left)."""
+        own, full = self.own, self._ded_full
+        doc = self.docs[max(deep, key=self.piece_t.__getitem__)]
+        for j in self.doc_recv.get(doc, ()):
+            if j in self._ded_set and j not in full and fill_to - (load[j] - own[j]) > min_room:
+                return j, load[j] - own[j]
+        while self._ded_open < len(self.dedicated):
+            j = self.dedicated[self._ded_open]
+            if j not in full and fill_to - (load[j] - own[j]) > min_room:
+                return j, load[j] - own[j]
+            self._ded_open += 1
+        while self._candidates:
+            j = self._candidates.pop()
+            if j not in self._ded_set and fill_to - (load[j] - own[j]) > min_room:
+                return j, load[j] - own[j]
+        return None
 
     def _ranked(self, r: int) -> list[int]:
         """Rank r's starting pieces, heaviest first (ties in stream order)."""
@@ -217,7 +258,8 @@ class _Balancer:
         return i, k, x, e, t
 
     def shed(
-        self, donors: list[int], receivers: list[int], overload: float, fill: float, floor: float | None = None
+        self, donors: list[int], receivers: list[int], overload: float, fill: float, floor: float | None = None,
+        dedicate: bool = False,
     ) -> None:
         """Move work from ``donors`` (in order) to ``receivers`` until each donor is down to the
         receivers' fill level, or to ``(1 - floor) * mean`` when ``floor`` is given.
@@ -226,6 +268,15 @@ class _Balancer:
         read (and any per-task time) to the total, so the mean grows as work moves (by 1.2% on
         ProLong at 512 ranks). Bounds fixed at the start would leave the last donors no room but
         slivers of it, and they would shed in hundreds of tiny chunks.
+
+        With ``dedicate``, chunks that read a KV prefix of at least a rank (from pieces starting
+        at position >= T of their document) go to *dedicated receivers* when no ordinary receiver
+        has room for all of the chunk: a light server (see ``_DEDICATED_LOAD``) takes such chunks
+        as if its own pieces were gone, and :meth:`offload` hands those on afterwards. A long
+        document's excess then goes to few servers, each pulling its deep KV prefix once, where
+        servers with a little room each would each pull it: the prefix's homes send it fewer
+        times (the busiest sender's bytes), at the price of moving the receivers' own short
+        documents, whose KV prefixes are short.
         """
         # A list, not the array: this loop reads single loads thousands of times (same floats).
         load = self.load.tolist()
@@ -241,6 +292,9 @@ class _Balancer:
         heap = [(load[j], j) for j in receivers if up * mean - load[j] > _MIN_ROOM * mean]
         heapq.heapify(heap)
         active = {j for _, j in heap}
+        if dedicate:
+            # Donors of deep chunks first, while the light servers still hold only their own work.
+            donors = sorted(donors, key=lambda d: not any(self.starts[i] >= self.T for i in self.top_pieces(d)))
         for d in donors:
             if d in self.stopped:
                 continue
@@ -253,6 +307,8 @@ class _Balancer:
                 continue  # its load is work it received; received chunks are not re-cut
             parked: list[int] = []
             refused = 0  # receivers the network model refused for this donor
+            # The donor's pieces whose every chunk reads a KV prefix of at least a rank.
+            deep = [i for i in pieces if self.starts[i] >= self.T] if dedicate else []
             # Per document, the servers of doc_recv that are still active, in the same order.
             # While this donor sheds, ``active`` only loses servers (parked, full, or stale)
             # and loads of others only grow, so the scan below drops those it finds inactive.
@@ -287,26 +343,33 @@ class _Balancer:
                     continue
                 need = load[d] - target
                 j = heap[0][1]
-                # A server that already pulls the KV prefix of the donor's heaviest
-                # document (from an earlier donor) takes the next chunk if it has
-                # room: that KV is paid for.
-                top_doc = self.docs[max(pieces, key=self.piece_t.__getitem__)]
-                lst = live.get(top_doc)
-                if lst is None:
-                    lst = live[top_doc] = [j2 for j2 in self.doc_recv.get(top_doc, ()) if j2 in active]
-                thr, gone = 0.25 * min(need, fill_to - load[j]), 0
-                for j2 in lst:
-                    if j2 not in active:
-                        gone += 1
-                    elif fill_to - load[j2] > thr:
-                        j = j2
-                        break
-                if gone > 8:
-                    live[top_doc] = [j2 for j2 in lst if j2 in active]
+                held, ded = load[j], False  # the load the receiver counts as holding; dedicated?
+                if deep and need > fill_to - held:
+                    got = self._dedicated_for(deep, fill_to, min_room, load)
+                    if got is not None:
+                        (j, held), ded = got, True
+                if not ded:
+                    # A server that already pulls the KV prefix of the donor's heaviest
+                    # document (from an earlier donor) takes the next chunk if it has
+                    # room: that KV is paid for.
+                    top_doc = self.docs[max(pieces, key=self.piece_t.__getitem__)]
+                    lst = live.get(top_doc)
+                    if lst is None:
+                        lst = live[top_doc] = [j2 for j2 in self.doc_recv.get(top_doc, ()) if j2 in active]
+                    thr, gone = 0.25 * min(need, fill_to - held), 0
+                    for j2 in lst:
+                        if j2 not in active:
+                            gone += 1
+                        elif fill_to - load[j2] > thr:
+                            j = j2
+                            held = load[j]
+                            break
+                    if gone > 8:
+                        live[top_doc] = [j2 for j2 in lst if j2 in active]
                 # Prefer a chunk the receiver can take without passing the bound.
-                w, limit = min(need, fill_to - load[j]), hi_bound - load[j]
-                best = self.best_chunk(pieces, w, limit)
-                if (best is None or best[4] > limit) and (rest := self._rest_pieces(d)):
+                w, limit = min(need, fill_to - held), hi_bound - held
+                best = self.best_chunk(deep if ded else pieces, w, limit)
+                if not ded and (best is None or best[4] > limit) and (rest := self._rest_pieces(d)):
                     # Even the smallest allowed chunk of the heaviest pieces is too much:
                     # a lighter piece (a whole short document) may fit.
                     alt = self.best_chunk(rest, w, limit)
@@ -320,7 +383,7 @@ class _Balancer:
                     break  # the smallest allowed cut would overshoot; the donor is within bounds
                 # A min_shard chunk may not fit under the bound; it still helps if the
                 # receiver ends below where the donor is now (the max goes down).
-                fits = load[j] + t <= hi_bound or (load[d] > hi_bound and load[j] + t < load[d])
+                fits = held + t <= hi_bound or (load[d] > hi_bound and held + t < load[d])
                 if fits and self.inbound is not None:
                     nb = self.inbound.cost(j, doc, x, e)
                     fits = self.inbound.fits(j, nb)
@@ -335,9 +398,16 @@ class _Balancer:
                     if refused > 8:
                         break  # receiver after receiver would pay more than the donor saves
                 if not fits:
+                    if ded:
+                        self._ded_full.add(j)  # refused as a dedicated receiver: no more deep chunks
+                        continue
                     active.discard(j)
                     parked.append(j)
                     continue
+                if ded and j not in self._ded_set:
+                    self._ded_set.add(j)
+                    self.dedicated.append(j)
+                    active.discard(j)
                 if self.inbound is not None:
                     self.inbound.take(j, doc, e, nb)
                 ivs = self.intervals(i)
@@ -347,6 +417,7 @@ class _Balancer:
                 after = self.piece_t[i] - self.t(u, v) + self.t(u, x) + self.t(e, v)
                 given = self.piece_t[i] - after
                 load[d] -= given
+                self.own[d] -= given
                 self.piece_t[i] = after
                 load[j] += t
                 total += t - given
@@ -360,11 +431,56 @@ class _Balancer:
                         live[doc].append(j)
                 if fill_to - load[j] <= min_room:
                     active.discard(j)
+                if ded and fill_to - (held + t) <= min_room:
+                    self._ded_full.add(j)
             mean = total / R
             for j in parked:  # parked receivers had no room for this donor's cuts only
                 if up * mean - load[j] > _MIN_ROOM * mean:
                     active.add(j)
                     heapq.heappush(heap, (load[j], j))
+        self.load[:] = load
+
+    def offload(self, overload: float, fill: float) -> None:
+        """Hand the dedicated receivers' own pieces, whole, to the other servers with the most room
+        (fill level as in :meth:`shed`), heaviest piece first, until each is down to the fill
+        level; a piece that fits nowhere whole stays for the next rounds, which cut it."""
+        load = self.load.tolist()
+        R, own, starts, ends, ded = self.R, self.own, self.starts, self.ends, self._ded_set
+        mean = float(sum(load)) / R
+        fill_to, min_room = (1.0 + fill * overload) * mean, _MIN_ROOM * mean
+        heap = [(load[k], k) for k in range(R) if k not in ded and fill_to - load[k] > min_room]
+        heapq.heapify(heap)
+        for j in self.dedicated:
+            for i in self._ranked(j):
+                if load[j] <= fill_to or not heap:
+                    break
+                t = self.piece_t[i]
+                if i in self.free or t <= 0.0:
+                    continue
+                while heap and heap[0][0] != load[heap[0][1]]:
+                    _, k = heapq.heappop(heap)  # stale entry
+                    if fill_to - load[k] > min_room:
+                        heapq.heappush(heap, (load[k], k))
+                if not heap:
+                    break
+                k = heap[0][1]
+                if load[k] + t > fill_to:
+                    continue  # too heavy for the roomiest server: a lighter piece may fit
+                doc, u, v = self.docs[i], starts[i], ends[i]
+                if self.net is not None and self.net.check(j, k, doc, u, v, load, t, t) != ACCEPT:
+                    continue
+                self.free[i] = []
+                self.piece_t[i] = 0.0
+                load[j] -= t
+                own[j] -= t
+                load[k] += t
+                heapq.heapreplace(heap, (load[k], k))
+                self.moved.append((doc, u, v, k))
+                self.moved_from.append((i, j))
+                recv = self.doc_recv_set.setdefault(doc, set())
+                if k not in recv:
+                    recv.add(k)
+                    self.doc_recv.setdefault(doc, []).append(k)
         self.load[:] = load
 
     def refine(self, hi_bound: float) -> None:
@@ -484,7 +600,10 @@ def assign(layout: Layout, opts: PlanOptions) -> Columns:
         if load.max() <= hi_bound and load.min() >= lo_bound:
             break
         order = np.argsort(-load, kind="stable")
-        bal.shed([int(r) for r in order if load[r] > hi_bound], [int(r) for r in order[::-1] if load[r] < mean], overload, fill)
+        bal.shed([int(r) for r in order if load[r] > hi_bound], [int(r) for r in order[::-1] if load[r] < mean], overload, fill,
+                 dedicate=rnd == 0)  # fmt: skip
+        if bal.dedicated and rnd == 0:
+            bal.offload(overload, fill)
         if load.min() < lo_bound:
             order = np.argsort(-load, kind="stable")
             # Lift servers still below the band: donors above the mean may go
