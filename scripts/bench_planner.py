@@ -39,6 +39,7 @@ import numpy as np
 from distca import MODEL_SHAPES, POLICIES, Layout, place, plan
 from distca.cost import exposed_seconds
 from distca.doclens import load_doclens, sample_doclens, take_tokens
+from distca.planner.bounds import fanout_bytes
 from distca.planner.plans import layer_seconds
 from distca.sim.workloads import heavy_tail_lengths
 
@@ -160,33 +161,12 @@ def bytes_lower_bound(layout: Layout, max_load: float, shape: str, cost_model: s
 
 
 def fanout_bound(layout: Layout, max_load: float, shape: str, cost_model: str) -> int:
-    """A lower bound on ``max_server_bytes`` (forward, one layer) of any plan whose modelled max load
-    is at most ``max_load`` seconds, from the KV rows a document's homes must send.
-
-    A rank holding in-document positions ``[a, b)`` of a document that goes on to ``L > b`` holds
-    KV rows that every query in ``[b, L)`` reads. Those queries take at least ``W = task_time(b, L)``
-    seconds however they are cut into tasks (a split only adds KV reads and task overheads), so at
-    least ``ceil(W / max_load)`` servers compute some of them, and every one but the holder itself
-    receives the holder's ``b - a`` KV rows from it. The bound is the max over ranks of the sum over
-    their pieces of ``(ceil(W / max_load) - 1) (b - a) kv_row``: bytes sent, a part of
-    ``max_server_bytes``. It assumes every such server could take ``max_load`` of them, so it stays
-    below what a plan can reach when servers hold work of their own.
-    """
+    """:func:`distca.planner.bounds.fanout_bytes` (a lower bound on ``max_server_bytes`` of any plan
+    whose modelled max load is at most ``max_load`` seconds) for a shape and a cost model by name."""
     from distca.planner import _resolve_cost, _resolve_shape
 
     sh = _resolve_shape(shape)
-    cm = _resolve_cost(cost_model, sh)
-    s = layout.attention_segments
-    last = np.zeros(layout.num_docs, dtype=np.int64)
-    np.maximum.at(last, s.doc, s.end)
-    L = last[s.doc]
-    more = s.end < L
-    if not more.any():
-        return 0
-    w = cm.task_time(s.end[more], L[more])
-    servers = np.ceil(w / max_load).astype(np.int64)
-    sent = np.maximum(servers - 1, 0) * (s.end[more] - s.start[more]) * sh.kv_row
-    return int(np.bincount(s.rank[more], sent.astype(np.float64), layout.ranks).max())
+    return fanout_bytes(layout, _resolve_cost(cost_model, sh), sh, max_load)
 
 
 def compare(args: argparse.Namespace) -> list[dict]:

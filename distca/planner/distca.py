@@ -3,6 +3,7 @@ to move; see :func:`assign`."""
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from distca.cost import CostModel, ModelShape
 from distca.layout import Layout, Segments
+from distca.planner.bounds import fanout_bytes
 from distca.planner.capacity import Inbound
 from distca.planner.network import ACCEPT, STOP_DONOR, Ledger
 from distca.planner.options import Columns, PlanOptions
@@ -25,14 +27,21 @@ _MIN_ROOM = 2e-3
 # A server may become a dedicated receiver (see :meth:`_Balancer.shed`) if its own work is below
 # this fraction of the mean and every document it holds is at most half a rank long: its own
 # pieces are then cheap to hand on (short KV prefixes), and it has most of a rank's room to give.
+import os
+_DOCMIN = float(os.environ.get('DOCMIN','0'))
+_DEEP = int(os.environ.get('DEEP','0'))
 _DEDICATED_LOAD = 0.6
+_HANDED = float(os.environ.get('HANDED','0.9'))
+import os
+_DEDICATED_MIN = float(os.environ.get('DMIN','0'))
 
 
 class _Balancer:
     """State of one ``distca`` planning run; see :func:`assign`."""
 
     def __init__(
-        self, layout: Layout, cm: CostModel, shape: ModelShape, min_shard: int, capacity: int | None, mode: str = "resend"
+        self, layout: Layout, cm: CostModel, shape: ModelShape, min_shard: int, capacity: int | None, mode: str = "resend",
+        overload: float = 0.01,
     ):
         self.R, self.T = layout.ranks, layout.tokens_per_rank
         self.layout = layout
@@ -67,43 +76,69 @@ class _Balancer:
         """Donors the network model stopped: their next chunks would not pay (never asked again)."""
         self.net = Ledger(layout, cm, shape, mode, s.rank, s.doc, s.start, s.end) if cm.has_network else None
         """The network model's byte account (None: bytes are free): every move must pay for itself."""
-        self.own = self.load.tolist()
-        """Seconds of each server's own pieces it still holds (a dedicated receiver hands them on)."""
         self.dedicated: list[int] = []
         """Servers that took deep chunks in place of their own work, in the order they did."""
-        self._candidates = self._dedication_candidates(layout, s) if capacity is None else []
+        self._doc_len = layout.doc_lens.tolist()
+        self._handed: dict[int, float] = {}
+        """Seconds of its own pieces each dedication candidate would hand on (its heaviest)."""
+        self._handed_bytes: dict[int, int] = {}
+        self._byte_cap = 0
+        self._candidates = [] if capacity is not None else self._dedication_candidates(layout, s, shape, overload)
         self._ded_set: set[int] = set()
         self._ded_full: set[int] = set()  # dedicated receivers that take no more deep chunks
-        self._ded_open = 0  # dedicated[:_ded_open] are all full
 
-    def _dedication_candidates(self, layout: Layout, s) -> list[int]:
-        """Servers that may become dedicated receivers, least own work first (ties: lower rank)."""
+    def _dedication_candidates(self, layout: Layout, s, shape: ModelShape, overload: float) -> list[int]:
+        """Servers that may become dedicated receivers, most own work last (a stack: the lightest
+        is taken first; ties: lower rank first)."""
         mean = float(self.load.sum()) / self.R
         longest = np.zeros(self.R, dtype=np.int64)
         np.maximum.at(longest, s.rank, layout.doc_lens[s.doc])
-        ok = np.nonzero((self.load < _DEDICATED_LOAD * mean) & (longest <= self.T // 2))[0]
-        return ok[np.argsort(self.load[ok], kind="stable")].tolist()[::-1]  # a stack: pop() is lightest
+        ok = (self.load < _DEDICATED_LOAD * mean) & (self.load >= _DEDICATED_MIN * mean) & (longest <= self.T // 2)
+        ok = np.nonzero(ok)[0]
+        if ok.size == 0:
+            return []
+        # The level of bytes a dedicated receiver may reach: what the busiest server must move in
+        # any plan (so a dedication never makes the plan's busiest server).
+        self._byte_cap = fanout_bytes(layout, self.cm, shape, mean * (1.0 + overload))
+        seg_len = (s.end - s.start).tolist()
+        for j in ok.tolist():
+            # Its heaviest pieces, up to _HANDED of its work: the light rest (many short documents
+            # with little work each) stays, rather than go out as as many tasks.
+            a, b = self._rank_start[j], self._rank_start[j + 1]
+            by = a + np.argsort(-self._seg_time[a:b], kind="stable")
+            cum = np.cumsum(self._seg_time[by])
+            n = min(int(np.searchsorted(cum, _HANDED * cum[-1])), cum.size - 1) + 1
+            self._handed[j] = float(cum[n - 1])
+            # Each handed row goes out with its Q and KV, and its output comes back.
+            self._handed_bytes[j] = sum(seg_len[i] for i in by[:n].tolist()) * (self.qb + self.kvb)
+        return ok[np.argsort(-self.load[ok], kind="stable")].tolist()
 
     def _dedicated_for(self, deep: list[int], fill_to: float, min_room: float, load: list[float]):
         """A dedicated receiver for a chunk of ``deep`` (the donor's deep pieces), and the load it
-        counts as holding (what it received; its own pieces are handed on): first one that already
-        reads the heaviest deep piece's document, then one with room left, then a new one (None:
-        no candidate is left)."""
-        own, full = self.own, self._ded_full
-        doc = self.docs[max(deep, key=self.piece_t.__getitem__)]
+        counts as holding (what it received; its own pieces are handed on): one that already reads
+        the heaviest deep piece's document and has room, else the lightest candidate whose handed
+        pieces and the chunk's KV prefix stay within the byte level (None: no such candidate)."""
+        own, full = self._handed, self._ded_full
+        i = max(deep, key=self.piece_t.__getitem__)
+        doc = self.docs[i]
         for j in self.doc_recv.get(doc, ()):
             if j in self._ded_set and j not in full and fill_to - (load[j] - own[j]) > min_room:
                 return j, load[j] - own[j]
-        while self._ded_open < len(self.dedicated):
-            j = self.dedicated[self._ded_open]
-            if j not in full and fill_to - (load[j] - own[j]) > min_room:
-                return j, load[j] - own[j]
-            self._ded_open += 1
-        while self._candidates:
-            j = self._candidates.pop()
-            if j not in self._ded_set and fill_to - (load[j] - own[j]) > min_room:
+        kv = self.ends[i] * self.kvb
+        cands = self._candidates
+        for n in range(len(cands) - 1, -1, -1):
+            j = cands[n]
+            if self._handed_bytes[j] + kv <= self._byte_cap and fill_to - (load[j] - own[j]) > min_room:
+                del cands[n]
                 return j, load[j] - own[j]
         return None
+
+    def _deep(self, i: int) -> bool:
+        if _DEEP == 0:
+            return self.starts[i] >= self.T
+        if _DEEP == 1:
+            return self.ends[i] >= self.T and self._doc_len[self.docs[i]] >= _DOCMIN * self.T
+        return self.ends[i] >= self.T // 2
 
     def _ranked(self, r: int) -> list[int]:
         """Rank r's starting pieces, heaviest first (ties in stream order)."""
@@ -294,7 +329,7 @@ class _Balancer:
         active = {j for _, j in heap}
         if dedicate:
             # Donors of deep chunks first, while the light servers still hold only their own work.
-            donors = sorted(donors, key=lambda d: not any(self.starts[i] >= self.T for i in self.top_pieces(d)))
+            donors = sorted(donors, key=lambda d: not any(self._deep(i) for i in self.top_pieces(d)))
         for d in donors:
             if d in self.stopped:
                 continue
@@ -308,7 +343,7 @@ class _Balancer:
             parked: list[int] = []
             refused = 0  # receivers the network model refused for this donor
             # The donor's pieces whose every chunk reads a KV prefix of at least a rank.
-            deep = [i for i in pieces if self.starts[i] >= self.T] if dedicate else []
+            deep = [i for i in pieces if self._deep(i)] if dedicate else []
             # Per document, the servers of doc_recv that are still active, in the same order.
             # While this donor sheds, ``active`` only loses servers (parked, full, or stale)
             # and loads of others only grow, so the scan below drops those it finds inactive.
@@ -383,7 +418,9 @@ class _Balancer:
                     break  # the smallest allowed cut would overshoot; the donor is within bounds
                 # A min_shard chunk may not fit under the bound; it still helps if the
                 # receiver ends below where the donor is now (the max goes down).
-                fits = held + t <= hi_bound or (load[d] > hi_bound and held + t < load[d])
+                # A dedicated receiver never passes the bound: what it received stays (received
+                # chunks are not re-cut), and only its own pieces move on.
+                fits = held + t <= hi_bound or (not ded and load[d] > hi_bound and held + t < load[d])
                 if fits and self.inbound is not None:
                     nb = self.inbound.cost(j, doc, x, e)
                     fits = self.inbound.fits(j, nb)
@@ -410,25 +447,10 @@ class _Balancer:
                     active.discard(j)
                 if self.inbound is not None:
                     self.inbound.take(j, doc, e, nb)
-                ivs = self.intervals(i)
-                u, v = ivs[k]
-                ivs = ivs[:k] + [iv for iv in ((u, x), (e, v)) if iv[1] > iv[0]] + ivs[k + 1 :]
-                self.free[i] = ivs
-                after = self.piece_t[i] - self.t(u, v) + self.t(u, x) + self.t(e, v)
-                given = self.piece_t[i] - after
-                load[d] -= given
-                self.own[d] -= given
-                self.piece_t[i] = after
-                load[j] += t
+                given, new = self._give(i, k, x, e, d, j, t, load)
                 total += t - given
-                self.moved.append((doc, x, e, j))
-                self.moved_from.append((i, d))
-                recv = self.doc_recv_set.setdefault(doc, set())
-                if j not in recv:
-                    recv.add(j)
-                    self.doc_recv.setdefault(doc, []).append(j)
-                    if doc in live:
-                        live[doc].append(j)
+                if new and doc in live:
+                    live[doc].append(j)
                 if fill_to - load[j] <= min_room:
                     active.discard(j)
                 if ded and fill_to - (held + t) <= min_room:
@@ -440,47 +462,90 @@ class _Balancer:
                     heapq.heappush(heap, (load[j], j))
         self.load[:] = load
 
+    def _give(self, i: int, k: int, x: int, e: int, d: int, j: int, t: float, load: list[float]) -> tuple[float, bool]:
+        """Move queries [x, e) of interval ``k`` of donor ``d``'s piece ``i`` to server ``j`` (``t``
+        seconds there); returns the seconds it takes off the donor, and whether ``j`` is a new
+        server of the document."""
+        ivs = self.intervals(i)
+        u, v = ivs[k]
+        self.free[i] = ivs[:k] + [iv for iv in ((u, x), (e, v)) if iv[1] > iv[0]] + ivs[k + 1 :]
+        after = self.piece_t[i] - self.t(u, v) + self.t(u, x) + self.t(e, v)
+        given = self.piece_t[i] - after
+        load[d] -= given
+        self.piece_t[i] = after
+        load[j] += t
+        doc = self.docs[i]
+        self.moved.append((doc, x, e, j))
+        self.moved_from.append((i, d))
+        recv = self.doc_recv_set.setdefault(doc, set())
+        if j in recv:
+            return given, False
+        recv.add(j)
+        self.doc_recv.setdefault(doc, []).append(j)
+        return given, True
+
     def offload(self, overload: float, fill: float) -> None:
-        """Hand the dedicated receivers' own pieces, whole, to the other servers with the most room
-        (fill level as in :meth:`shed`), heaviest piece first, until each is down to the fill
-        level; a piece that fits nowhere whole stays for the next rounds, which cut it."""
+        """Hand the dedicated receivers' own pieces to the other servers with the most room until
+        each is down to the fill level (as in :meth:`shed`), heaviest piece first: the roomiest
+        server takes as many whole pieces as fit, and a piece that fits in no server whole is cut
+        to fill it (the cheapest chunk, as in :meth:`shed`)."""
         load = self.load.tolist()
-        R, own, starts, ends, ded = self.R, self.own, self.starts, self.ends, self._ded_set
+        R, ded = self.R, self._ded_set
         mean = float(sum(load)) / R
         fill_to, min_room = (1.0 + fill * overload) * mean, _MIN_ROOM * mean
+        hi_bound = (1.0 + overload) * mean
+        # Only this pass changes loads, and every move re-keys its receiver: no entry goes stale.
         heap = [(load[k], k) for k in range(R) if k not in ded and fill_to - load[k] > min_room]
         heapq.heapify(heap)
+        piece_t, free, docs, starts, ends = self.piece_t, self.free, self.docs, self.starts, self.ends
+        net = self.net
         for j in self.dedicated:
-            for i in self._ranked(j):
-                if load[j] <= fill_to or not heap:
-                    break
-                t = self.piece_t[i]
-                if i in self.free or t <= 0.0:
-                    continue
-                while heap and heap[0][0] != load[heap[0][1]]:
-                    _, k = heapq.heappop(heap)  # stale entry
-                    if fill_to - load[k] > min_room:
-                        heapq.heappush(heap, (load[k], k))
-                if not heap:
-                    break
+            pieces = [i for i in self._ranked(j) if i not in free]  # its own, still whole
+            cum = np.cumsum([piece_t[i] for i in pieces]).tolist()
+            p, base = 0, 0.0  # next piece; cum[p - 1]
+            while load[j] > fill_to + min_room and p < len(pieces) and heap:
                 k = heap[0][1]
-                if load[k] + t > fill_to:
-                    continue  # too heavy for the roomiest server: a lighter piece may fit
-                doc, u, v = self.docs[i], starts[i], ends[i]
-                if self.net is not None and self.net.check(j, k, doc, u, v, load, t, t) != ACCEPT:
-                    continue
-                self.free[i] = []
-                self.piece_t[i] = 0.0
-                load[j] -= t
-                own[j] -= t
-                load[k] += t
-                heapq.heapreplace(heap, (load[k], k))
-                self.moved.append((doc, u, v, k))
-                self.moved_from.append((i, j))
-                recv = self.doc_recv_set.setdefault(doc, set())
-                if k not in recv:
-                    recv.add(k)
-                    self.doc_recv.setdefault(doc, []).append(k)
+                take = min(fill_to - load[k], load[j] - fill_to)
+                i = pieces[p]
+                m = 0 if i in free else bisect.bisect_right(cum, base + take, p) - p  # whole pieces that fit
+                if net is not None:
+                    m = min(m, 1)  # one at a time: each move is priced
+                if m:
+                    block = pieces[p : p + m]
+                    if net is not None and net.check(j, k, docs[i], starts[i], ends[i], load, piece_t[i], piece_t[i]) != ACCEPT:
+                        block = []
+                    t = cum[p + m - 1] - base
+                    for i in block:
+                        free[i] = []
+                        piece_t[i] = 0.0
+                        self.moved.append((docs[i], starts[i], ends[i], k))
+                        self.moved_from.append((i, j))
+                    if block:
+                        load[j] -= t
+                        load[k] += t
+                    base = cum[p + m - 1]
+                    p += m
+                else:
+                    # The piece fits in no server whole: cut it to fill this one, and go on cutting
+                    # it while it lasts and a chunk fits under the bound.
+                    ivs = self.intervals(i)
+                    ok = False
+                    if ivs:
+                        u, v = ivs[0]
+                        _, _, x, e, t = self._sized(i, 0, u, v, u, v, take)
+                        given = self.t(u, v) - self.t(u, x) - self.t(e, v)
+                        ok = load[k] + t <= hi_bound and (
+                            net is None or net.check(j, k, docs[i], x, e, load, given, t) == ACCEPT
+                        )
+                        if ok:
+                            self._give(i, 0, x, e, j, k, t, load)
+                    if not ok or not self.intervals(i):
+                        base = cum[p]
+                        p += 1
+                if fill_to - load[k] > min_room:
+                    heapq.heapreplace(heap, (load[k], k))
+                else:
+                    heapq.heappop(heap)
         self.load[:] = load
 
     def refine(self, hi_bound: float) -> None:
@@ -493,7 +558,11 @@ class _Balancer:
         pair's maximum never goes up, so neither does the plan's.
         """
         load, ms = self.load, self.min_shard
-        order = sorted(range(len(self.moved)), key=lambda k: -max(load[self.moved[k][3]], load[self.moved_from[k][1]]))
+        if not self.moved:
+            return
+        # In order of the pair's larger load (ties: move order).
+        pair_max = np.maximum(load[[m[3] for m in self.moved]], load[[m[1] for m in self.moved_from]])
+        order = np.argsort(-pair_max, kind="stable").tolist()
         for k in order:
             doc, x, e, j = self.moved[k]
             i, d = self.moved_from[k]
@@ -589,7 +658,7 @@ def assign(layout: Layout, opts: PlanOptions) -> Columns:
     # A shard can't be asked to exceed half of what a rank holds: with tiny ranks
     # (T < 2 * min_shard) the tile floor would otherwise forbid any balancing.
     min_shard = max(1, min(min_shard, layout.tokens_per_rank // 2))
-    bal = _Balancer(layout, cm, shape, min_shard, capacity_bytes, opts.mode)
+    bal = _Balancer(layout, cm, shape, min_shard, capacity_bytes, opts.mode, overload)
     load = bal.load
     for rnd in range(4):
         # Later rounds only mop up: receivers may fill closer to the bound, so a
