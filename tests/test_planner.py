@@ -286,6 +286,85 @@ def test_distca_meets_the_band_with_short_documents_only(cm, shape):
     assert checked >= 10  # the layouts do need balancing
 
 
+# ---- dedicated receivers --------------------------------------------------------------------
+
+
+def _prolong(R: int, T: int, seed: int) -> Layout:
+    """A ProLong batch sampled as the paper does (documents of 16K tokens or more repeated 4 times)."""
+    return Layout.from_doclens(sample_doclens(load_doclens("prolong"), R * T, seed=seed, upsample_threshold=16384), R, T)
+
+
+def _without_dedicated_receivers(monkeypatch, lay: Layout, **kw) -> Plan:
+    """The ``distca`` plan with the dedicated-receiver rule off (no server qualifies)."""
+    import distca.planner.distca as balancer
+
+    with monkeypatch.context() as m:
+        m.setattr(balancer, "_DEDICATED_LOAD", 0.0)
+        return plan(lay, "distca", **kw)
+
+
+@pytest.mark.parametrize("R,T", [(32, 131072), (64, 65536), (128, 131072)])
+def test_dedicated_receivers_cut_the_busiest_servers_bytes(R, T, monkeypatch):
+    # ProLong's long documents: without the rule their excess goes to many servers with a little
+    # room each, and every one of them pulls the document's KV prefix from the same homes.
+    for seed in (1, 2):
+        lay = _prolong(R, T, seed)
+        ours = plan(lay, "distca", cost_model="h200")
+        without = _without_dedicated_receivers(monkeypatch, lay, cost_model="h200")
+        check_exact_cover(ours)
+        mean = ours.loads.mean()
+        assert ours.loads.max() <= (1 + 0.05 / 5) * mean * 1.001 and ours.loads.min() >= 0.95 * mean
+        assert ours.imbalance <= without.imbalance + 1e-3
+        assert ours.traffic.max_server_bytes <= 0.8 * without.traffic.max_server_bytes, (R, T, seed)
+
+
+def test_dedicated_receivers_take_one_deep_document_and_hand_their_own_on(monkeypatch):
+    # A dedicated receiver serves chunks of one document whose KV prefix is at least a rank deep,
+    # and most of its own work is served elsewhere; the plan stays exact and balanced.
+    lay = _prolong(64, 65536, 1)
+    T, ours = lay.tokens_per_rank, plan(lay, "distca", cost_model="h200")
+    without = _without_dedicated_receivers(monkeypatch, lay, cost_model="h200")
+    colo = plan(lay, "colocated", cost_model="h200")
+    t, s = ours.tasks, lay.attention_segments
+    home = {}  # document -> the ranks holding its rows
+    for r, d in zip(s.rank.tolist(), s.doc.tolist()):
+        home.setdefault(d, set()).add(r)
+    found = 0
+    for j in range(lay.ranks):
+        on_j = t[t[:, 3] == j]
+        foreign = on_j[[j not in home[d] for d in on_j[:, 0].tolist()]]
+        deep_docs = set(foreign[foreign[:, 2] >= T, 0].tolist())
+        kept = ours.cost_model.task_time(*on_j[[j in home[d] for d in on_j[:, 0].tolist()]][:, 1:3].T).sum()
+        if len(deep_docs) == 1 and kept <= 0.2 * colo.loads[j] and colo.loads[j] > 0.1 * colo.loads.mean():
+            found += 1
+    assert found >= 3
+    # Without the rule no server does so: each deep chunk fills a receiver that keeps its own work.
+    t = without.tasks
+    assert not any(
+        (t[(t[:, 3] == j) & (t[:, 2] >= T)].shape[0] and
+         ours.cost_model.task_time(*t[(t[:, 3] == j) & np.isin(t[:, 0], [d for d in home if j in home[d]])][:, 1:3].T).sum()
+         <= 0.2 * colo.loads[j] and colo.loads[j] > 0.1 * colo.loads.mean() and
+         all(j not in home[d] for d in t[(t[:, 3] == j) & (t[:, 2] >= T), 0].tolist()))
+        for j in range(lay.ranks)
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("cost", ["h200", "cpu"])
+def test_dedicated_receivers_on_realistic_batches_are_exact_and_in_the_band(cost, monkeypatch):
+    # Batches where the rule changes the plan: exact cover, the band, never a higher max load than
+    # without it by more than the band's rounding.
+    changed = 0
+    for R, T, seed in [(16, 65536, 3), (32, 32768, 4), (48, 65536, 5), (96, 131072, 6)]:
+        lay = _prolong(R, T, seed)
+        ours = plan(lay, "distca", cost_model=cost)
+        without = _without_dedicated_receivers(monkeypatch, lay, cost_model=cost)
+        changed += ours.digest() != without.digest()
+        check_exact_cover(ours)
+        assert ours.loads.max() <= (1 + 0.05 / 5) * ours.loads.mean() * 1.001
+        assert ours.loads.max() <= without.loads.max() * 1.005
+    assert changed >= 2
+
+
 # ---- padding documents ----------------------------------------------------------------------
 
 

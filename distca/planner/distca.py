@@ -24,16 +24,19 @@ __all__ = ["assign"]
 _DONE = 0.2
 # A receiver with less room than this fraction of the mean counts as full.
 _MIN_ROOM = 2e-3
-# A server may become a dedicated receiver (see :meth:`_Balancer.shed`) if its own work is below
-# this fraction of the mean and every document it holds is at most half a rank long: its own
-# pieces are then cheap to hand on (short KV prefixes), and it has most of a rank's room to give.
-import os
-_DOCMIN = float(os.environ.get('DOCMIN','0'))
-_DEEP = int(os.environ.get('DEEP','0'))
+# A server may become a dedicated receiver (see :meth:`_Balancer.shed`) if its own work is in
+# [_DEDICATED_MIN, _DEDICATED_LOAD) of the mean and every document it holds is at most half a rank
+# long: its own pieces are then cheap to hand on (short KV prefixes), and it has most of a rank's
+# room to give. Below _DEDICATED_MIN it already has nearly all of it (handing on a tenth of a
+# rank's work would buy at most a ninth more room, for as many moved documents).
 _DEDICATED_LOAD = 0.6
-_HANDED = float(os.environ.get('HANDED','0.9'))
-import os
-_DEDICATED_MIN = float(os.environ.get('DMIN','0'))
+_DEDICATED_MIN = 0.1
+# A dedicated receiver hands on its heaviest pieces, up to this share of its work: the light rest
+# (many short documents, little work each) stays rather than go out as as many tasks.
+_HANDED = 0.9
+# A dedicated receiver takes more chunks of its document only while it has this much room left
+# (a fraction of the mean).
+_DEDICATED_ROOM = 0.05
 
 
 class _Balancer:
@@ -65,6 +68,9 @@ class _Balancer:
         self.moved_from: list[tuple[int, int]] = []  # (piece, donor) of each moved chunk
         self.doc_recv: dict[int, list[int]] = {}  # servers that were given chunks of a document
         self.doc_recv_set: dict[int, set[int]] = {}  # the same, as sets
+        self._held: dict[tuple[int, int], tuple[dict[int, int], dict[int, int]]] = {}
+        """Per (document, server): the query ranges it received, merged where adjacent, as (end ->
+        start, start -> end)."""
         # Each rank's pieces are a contiguous run in stream order; they are ranked (heaviest first,
         # ties in stream order) only for ranks that donate (:meth:`_ranked`).
         self._rank_start = np.searchsorted(s.rank, np.arange(self.R + 1)).tolist()
@@ -78,7 +84,6 @@ class _Balancer:
         """The network model's byte account (None: bytes are free): every move must pay for itself."""
         self.dedicated: list[int] = []
         """Servers that took deep chunks in place of their own work, in the order they did."""
-        self._doc_len = layout.doc_lens.tolist()
         self._handed: dict[int, float] = {}
         """Seconds of its own pieces each dedication candidate would hand on (its heaviest)."""
         self._handed_bytes: dict[int, int] = {}
@@ -102,8 +107,6 @@ class _Balancer:
         self._byte_cap = fanout_bytes(layout, self.cm, shape, mean * (1.0 + overload))
         seg_len = (s.end - s.start).tolist()
         for j in ok.tolist():
-            # Its heaviest pieces, up to _HANDED of its work: the light rest (many short documents
-            # with little work each) stays, rather than go out as as many tasks.
             a, b = self._rank_start[j], self._rank_start[j + 1]
             by = a + np.argsort(-self._seg_time[a:b], kind="stable")
             cum = np.cumsum(self._seg_time[by])
@@ -122,7 +125,9 @@ class _Balancer:
         i = max(deep, key=self.piece_t.__getitem__)
         doc = self.docs[i]
         for j in self.doc_recv.get(doc, ()):
-            if j in self._ded_set and j not in full and fill_to - (load[j] - own[j]) > min_room:
+            # Only with real room: a sliver would be a min-shard chunk next to the one it holds,
+            # each charged its own KV read until build_plan merges them.
+            if j in self._ded_set and j not in full and fill_to - (load[j] - own[j]) > _DEDICATED_ROOM * fill_to:
                 return j, load[j] - own[j]
         kv = self.ends[i] * self.kvb
         cands = self._candidates
@@ -134,11 +139,8 @@ class _Balancer:
         return None
 
     def _deep(self, i: int) -> bool:
-        if _DEEP == 0:
-            return self.starts[i] >= self.T
-        if _DEEP == 1:
-            return self.ends[i] >= self.T and self._doc_len[self.docs[i]] >= _DOCMIN * self.T
-        return self.ends[i] >= self.T // 2
+        """Whether chunks of piece ``i`` can read a KV prefix of a rank or more (its end is that deep)."""
+        return self.ends[i] >= self.T
 
     def _ranked(self, r: int) -> list[int]:
         """Rank r's starting pieces, heaviest first (ties in stream order)."""
@@ -462,6 +464,26 @@ class _Balancer:
                     heapq.heappush(heap, (load[j], j))
         self.load[:] = load
 
+    def _land(self, doc: int, x: int, e: int, j: int, t: float) -> float:
+        """Seconds that queries [x, e) of ``doc`` (``t`` seconds as a task of their own) add on
+        server ``j``: less when they extend a range of the document that ``j`` received, since
+        build_plan merges adjacent ranges into one task that reads its KV prefix once."""
+        held = self._held.get((doc, j))
+        if held is None:
+            self._held[(doc, j)] = ({e: x}, {x: e})
+            return t
+        by_end, by_start = held
+        a, b = by_end.pop(x, None), by_start.pop(e, None)  # [a, x) and [e, b) held by j
+        lo, hi = (x if a is None else a), (e if b is None else b)
+        if a is not None:
+            del by_start[a]
+        if b is not None:
+            del by_end[b]
+        by_end[hi], by_start[lo] = lo, hi
+        if a is None and b is None:
+            return t
+        return self.t(lo, hi) - (0.0 if a is None else self.t(a, x)) - (0.0 if b is None else self.t(e, b))
+
     def _give(self, i: int, k: int, x: int, e: int, d: int, j: int, t: float, load: list[float]) -> tuple[float, bool]:
         """Move queries [x, e) of interval ``k`` of donor ``d``'s piece ``i`` to server ``j`` (``t``
         seconds there); returns the seconds it takes off the donor, and whether ``j`` is a new
@@ -473,8 +495,8 @@ class _Balancer:
         given = self.piece_t[i] - after
         load[d] -= given
         self.piece_t[i] = after
-        load[j] += t
         doc = self.docs[i]
+        load[j] += self._land(doc, x, e, j, t)
         self.moved.append((doc, x, e, j))
         self.moved_from.append((i, d))
         recv = self.doc_recv_set.setdefault(doc, set())
@@ -484,8 +506,8 @@ class _Balancer:
         self.doc_recv.setdefault(doc, []).append(j)
         return given, True
 
-    def offload(self, overload: float, fill: float) -> None:
-        """Hand the dedicated receivers' own pieces to the other servers with the most room until
+    def offload(self, receivers: list[int], overload: float, fill: float) -> None:
+        """Hand the dedicated receivers' own pieces to the ``receivers`` with the most room until
         each is down to the fill level (as in :meth:`shed`), heaviest piece first: the roomiest
         server takes as many whole pieces as fit, and a piece that fits in no server whole is cut
         to fill it (the cheapest chunk, as in :meth:`shed`)."""
@@ -495,7 +517,7 @@ class _Balancer:
         fill_to, min_room = (1.0 + fill * overload) * mean, _MIN_ROOM * mean
         hi_bound = (1.0 + overload) * mean
         # Only this pass changes loads, and every move re-keys its receiver: no entry goes stale.
-        heap = [(load[k], k) for k in range(R) if k not in ded and fill_to - load[k] > min_room]
+        heap = [(load[k], k) for k in receivers if k not in ded and fill_to - load[k] > min_room]
         heapq.heapify(heap)
         piece_t, free, docs, starts, ends = self.piece_t, self.free, self.docs, self.starts, self.ends
         net = self.net
@@ -517,12 +539,12 @@ class _Balancer:
                     t = cum[p + m - 1] - base
                     for i in block:
                         free[i] = []
+                        load[k] += self._land(docs[i], starts[i], ends[i], k, piece_t[i])
                         piece_t[i] = 0.0
                         self.moved.append((docs[i], starts[i], ends[i], k))
                         self.moved_from.append((i, j))
                     if block:
                         load[j] -= t
-                        load[k] += t
                     base = cum[p + m - 1]
                     p += m
                 else:
@@ -569,22 +591,26 @@ class _Balancer:
             now = max(load[d], load[j])
             if now <= hi_bound:
                 continue
-            t_chunk = self.t(x, e)
-            best = None  # (max load, kept index, new kept range, new chunk)
+            # The chunk may be part of a longer range of the document on j (adjacent chunks merge
+            # into one task): the boundary that moves is that range's end or start.
+            by_end, by_start = self._held[(doc, j)]
+            best = None  # (max load, kept index, new kept range, new chunk, new range)
             for n, (u, v) in enumerate(self.intervals(i)):
-                if u == e:  # chunk [x, e) then kept [e, v): the boundary b is the chunk's end
-                    lo, hi = min(x + ms, e), v
-                    pair = lambda b, u=u, v=v: ((b, v), (x, b))  # noqa: E731
-                elif v == x:  # kept [u, x) then chunk [x, e): the boundary b is the chunk's start
-                    lo, hi = u, max(e - ms, x)
-                    pair = lambda b, u=u, v=v: ((u, b), (b, e))  # noqa: E731
+                if u == e and e in by_end:  # chunk [x, e) then kept [e, v): b is the chunk's end
+                    lo, hi, r0 = min(x + ms, e), v, by_end[e]
+                    pair = lambda b, u=u, v=v, r0=r0: ((b, v), (x, b), (r0, b))  # noqa: E731
+                    t_range = self.t(r0, e)
+                elif v == x and x in by_start:  # kept [u, x) then chunk [x, e): b is the chunk's start
+                    lo, hi, r1 = u, max(e - ms, x), by_start[x]
+                    pair = lambda b, u=u, v=v, r1=r1: ((u, b), (b, e), (b, r1))  # noqa: E731
+                    t_range = self.t(x, r1)
                 else:
                     continue
                 t_kept = self.t(u, v)
 
                 def loads(b):
-                    (ku, kv), (cx, ce) = pair(b)
-                    return load[d] - t_kept + self.t(ku, kv), load[j] - t_chunk + self.t(cx, ce)
+                    (ku, kv), _, (r0, r1) = pair(b)
+                    return load[d] - t_kept + self.t(ku, kv), load[j] - t_range + self.t(r0, r1)
 
                 # The receiver's share is monotone in b: bisect where it passes the donor's.
                 grows = u == e  # a larger b gives the receiver more
@@ -597,27 +623,32 @@ class _Balancer:
                     else:
                         a = mid
                 for b in {a, z, u + ms, v - ms}:
-                    (ku, kv), (cx, ce) = pair(b)
+                    (ku, kv), (cx, ce), rng = pair(b)
                     if not (lo <= b <= hi) or 0 < kv - ku < ms or ce - cx < min(ms, e - x):
                         continue
                     if self.inbound is not None and not self.inbound.fits(j, self.inbound.grow_cost(j, doc, x, e, cx, ce)):
                         continue
                     m_ = max(loads(b))
                     if m_ < now * (1.0 - 1e-9) and (best is None or m_ < best[0]):
-                        best = (m_, n, (ku, kv), (cx, ce))
+                        best = (m_, n, (ku, kv), (cx, ce), rng, t_range)
             if best is None:
                 continue
-            _, n, (ku, kv), (cx, ce) = best
+            _, n, (ku, kv), (cx, ce), (r0, r1), t_range = best
             ivs = self.intervals(i)
             u, v = ivs[n]
             self.free[i] = ivs[:n] + ([(ku, kv)] if kv > ku else []) + ivs[n + 1 :]
             after = self.piece_t[i] - self.t(u, v) + self.t(ku, kv)
             load[d] -= self.piece_t[i] - after
             self.piece_t[i] = after
-            load[j] += self.t(cx, ce) - t_chunk
+            load[j] += self.t(r0, r1) - t_range
             if self.inbound is not None:
                 self.inbound.take(j, doc, ce, self.inbound.grow_cost(j, doc, x, e, cx, ce))
             self.moved[k] = (doc, cx, ce, j)
+            if ce != e:  # the range's end moved
+                del by_end[e]
+            else:  # its start
+                del by_start[x]
+            by_end[r1], by_start[r0] = r0, r1
 
     def tasks(self):
         s = self.seg
@@ -669,10 +700,12 @@ def assign(layout: Layout, opts: PlanOptions) -> Columns:
         if load.max() <= hi_bound and load.min() >= lo_bound:
             break
         order = np.argsort(-load, kind="stable")
-        bal.shed([int(r) for r in order if load[r] > hi_bound], [int(r) for r in order[::-1] if load[r] < mean], overload, fill,
-                 dedicate=rnd == 0)  # fmt: skip
+        receivers = [int(r) for r in order[::-1] if load[r] < mean]
+        bal.shed([int(r) for r in order if load[r] > hi_bound], receivers, overload, fill, dedicate=rnd == 0)
         if bal.dedicated and rnd == 0:
-            bal.offload(overload, fill)
+            # To the same receivers: a donor that took short documents back would send its own
+            # (deep) KV rows and receive theirs.
+            bal.offload(receivers, overload, fill)
         if load.min() < lo_bound:
             order = np.argsort(-load, kind="stable")
             # Lift servers still below the band: donors above the mean may go
