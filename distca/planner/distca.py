@@ -306,10 +306,11 @@ class _Balancer:
         ProLong at 512 ranks). Bounds fixed at the start would leave the last donors no room but
         slivers of it, and they would shed in hundreds of tiny chunks.
 
-        With ``dedicate``, chunks that read a KV prefix of at least a rank (from pieces starting
-        at position >= T of their document) go to *dedicated receivers* when no ordinary receiver
-        has room for all of the chunk: a light server (see ``_DEDICATED_LOAD``) takes such chunks
-        as if its own pieces were gone, and :meth:`offload` hands those on afterwards. A long
+        With ``dedicate``, donors with deep pieces (ending at position >= T of their document:
+        their chunks read a KV prefix of up to a rank or more) shed first, and a deep chunk goes to
+        a *dedicated receiver* when no ordinary receiver has room for all of it: a light server
+        (see ``_DEDICATED_LOAD``) takes such chunks as if its heaviest own pieces were gone, and
+        :meth:`offload` hands those on afterwards. A long
         document's excess then goes to few servers, each pulling its deep KV prefix once, where
         servers with a little room each would each pull it: the prefix's homes send it fewer
         times (the busiest sender's bytes), at the price of moving the receivers' own short
