@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 
 import numpy as np
@@ -88,6 +89,7 @@ class _Balancer:
         """Seconds of its own pieces each dedication candidate would hand on (its heaviest)."""
         self._handed_bytes: dict[int, int] = {}
         self._byte_cap = 0
+        self._least_handed_bytes = 0  # a lower bound on any candidate's handed bytes
         self._candidates = [] if capacity is not None else self._dedication_candidates(layout, s, shape, overload)
         self._ded_set: set[int] = set()
         self._ded_full: set[int] = set()  # dedicated receivers that take no more deep chunks
@@ -105,15 +107,15 @@ class _Balancer:
         # The level of bytes a dedicated receiver may reach: what the busiest server must move in
         # any plan (so a dedication never makes the plan's busiest server).
         self._byte_cap = fanout_bytes(layout, self.cm, shape, mean * (1.0 + overload))
-        seg_len = (s.end - s.start).tolist()
+        seg_len, seg_t = (s.end - s.start).tolist(), self.piece_t
         for j in ok.tolist():
-            a, b = self._rank_start[j], self._rank_start[j + 1]
-            by = a + np.argsort(-self._seg_time[a:b], kind="stable")
-            cum = np.cumsum(self._seg_time[by])
-            n = min(int(np.searchsorted(cum, _HANDED * cum[-1])), cum.size - 1) + 1
-            self._handed[j] = float(cum[n - 1])
+            by = self._ranked(j)
+            cum = list(itertools.accumulate(seg_t[i] for i in by))  # np.cumsum's floats
+            n = min(bisect.bisect_left(cum, _HANDED * cum[-1]), len(cum) - 1) + 1
+            self._handed[j] = cum[n - 1]
             # Each handed row goes out with its Q and KV, and its output comes back.
-            self._handed_bytes[j] = sum(seg_len[i] for i in by[:n].tolist()) * (self.qb + self.kvb)
+            self._handed_bytes[j] = sum(seg_len[i] for i in by[:n]) * (self.qb + self.kvb)
+        self._least_handed_bytes = min(self._handed_bytes.values())
         return ok[np.argsort(-self.load[ok], kind="stable")].tolist()
 
     def _dedicated_for(self, deep: list[int], fill_to: float, min_room: float, load: list[float]):
@@ -131,6 +133,8 @@ class _Balancer:
                 return j, load[j] - own[j]
         kv = self.ends[i] * self.kvb
         cands = self._candidates
+        if self._least_handed_bytes + kv > self._byte_cap:
+            return None  # no candidate is light enough in bytes for this prefix
         for n in range(len(cands) - 1, -1, -1):
             j = cands[n]
             if self._handed_bytes[j] + kv <= self._byte_cap and fill_to - (load[j] - own[j]) > min_room:
