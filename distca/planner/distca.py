@@ -90,7 +90,11 @@ class _Balancer:
         self._handed_bytes: dict[int, int] = {}
         self._byte_cap = 0
         self._least_handed_bytes = 0  # a lower bound on any candidate's handed bytes
-        self._candidates = [] if capacity is not None else self._dedication_candidates(layout, s, shape, overload)
+        # Not with capacity_bytes (a dedicated receiver takes deep KV prefixes), nor with a network
+        # model: pricing each handed piece is slow (a ledger check per move), and plan() also plans
+        # with free bytes, with dedicated receivers, and keeps that plan when it is cheaper.
+        dedicate = capacity is None and self.net is None
+        self._candidates = self._dedication_candidates(layout, s, shape, overload) if dedicate else []
         self._ded_set: set[int] = set()
         self._ded_full: set[int] = set()  # dedicated receivers that take no more deep chunks
 
@@ -525,7 +529,6 @@ class _Balancer:
         heap = [(load[k], k) for k in receivers if k not in ded and fill_to - load[k] > min_room]
         heapq.heapify(heap)
         piece_t, free, docs, starts, ends = self.piece_t, self.free, self.docs, self.starts, self.ends
-        net = self.net
         for j in self.dedicated:
             pieces = [i for i in self._ranked(j) if i not in free]  # its own, still whole
             cum = np.cumsum([piece_t[i] for i in pieces]).tolist()
@@ -535,21 +538,14 @@ class _Balancer:
                 take = min(fill_to - load[k], load[j] - fill_to)
                 i = pieces[p]
                 m = 0 if i in free else bisect.bisect_right(cum, base + take, p) - p  # whole pieces that fit
-                if net is not None:
-                    m = min(m, 1)  # one at a time: each move is priced
                 if m:
-                    block = pieces[p : p + m]
-                    if net is not None and net.check(j, k, docs[i], starts[i], ends[i], load, piece_t[i], piece_t[i]) != ACCEPT:
-                        block = []
-                    t = cum[p + m - 1] - base
-                    for i in block:
+                    for i in pieces[p : p + m]:
                         free[i] = []
                         load[k] += self._land(docs[i], starts[i], ends[i], k, piece_t[i])
                         piece_t[i] = 0.0
                         self.moved.append((docs[i], starts[i], ends[i], k))
                         self.moved_from.append((i, j))
-                    if block:
-                        load[j] -= t
+                    load[j] -= cum[p + m - 1] - base
                     base = cum[p + m - 1]
                     p += m
                 else:
@@ -560,10 +556,7 @@ class _Balancer:
                     if ivs:
                         u, v = ivs[0]
                         _, _, x, e, t = self._sized(i, 0, u, v, u, v, take)
-                        given = self.t(u, v) - self.t(u, x) - self.t(e, v)
-                        ok = load[k] + t <= hi_bound and (
-                            net is None or net.check(j, k, docs[i], x, e, load, given, t) == ACCEPT
-                        )
+                        ok = load[k] + t <= hi_bound
                         if ok:
                             self._give(i, 0, x, e, j, k, t, load)
                     if not ok or not self.intervals(i):
