@@ -349,6 +349,25 @@ def test_dedicated_receivers_take_one_deep_document_and_hand_their_own_on(monkey
     )  # fmt: skip
 
 
+def test_balancer_costs_adjacent_chunks_as_one_merged_task():
+    # build_plan merges adjacent ranges of a document on one server into one task (one KV read):
+    # the balancer's account of a server's load must be that task's time, not the sum of chunks.
+    from distca.planner import _resolve_cost
+    from distca.planner.distca import _Balancer
+
+    lay = Layout.from_doclens([8192, 8192], 2, 8192)
+    bal = _Balancer(lay, _resolve_cost("h200", SHAPE), SHAPE, 16, capacity=None)
+    t = bal.t
+    assert bal._land(0, 100, 200, 1, t(100, 200)) == t(100, 200)
+    assert bal._land(0, 200, 300, 1, t(200, 300)) == pytest.approx(t(100, 300) - t(100, 200))
+    assert bal._land(0, 400, 500, 1, t(400, 500)) == t(400, 500)
+    assert bal._land(1, 300, 400, 1, t(300, 400)) == t(300, 400)  # another document: no merge
+    # Filling the gap joins both ranges into one task.
+    assert bal._land(0, 300, 400, 1, t(300, 400)) == pytest.approx(t(100, 500) - t(100, 300) - t(400, 500))
+    assert bal._held[(0, 1)] == ({500: 100}, {100: 500})
+    assert t(100, 200) + (t(100, 300) - t(100, 200)) < t(100, 200) + t(200, 300)  # merging saves a KV read
+
+
 @pytest.mark.parametrize("cost", ["h200", "cpu"])
 def test_dedicated_receivers_on_realistic_batches_are_exact_and_in_the_band(cost, monkeypatch):
     # Batches where the rule changes the plan: exact cover, the band, never a higher max load than
