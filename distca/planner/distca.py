@@ -36,7 +36,7 @@ _DEDICATED_MIN = 0.1
 # (many short documents, little work each) stays rather than go out as as many tasks.
 _HANDED = 0.9
 # A dedicated receiver takes more chunks of its document only while it has this much room left
-# (a fraction of the mean).
+# (a fraction of the fill level).
 _DEDICATED_ROOM = 0.05
 
 
@@ -99,8 +99,8 @@ class _Balancer:
         self._ded_full: set[int] = set()  # dedicated receivers that take no more deep chunks
 
     def _dedication_candidates(self, layout: Layout, s, shape: ModelShape, overload: float) -> list[int]:
-        """Servers that may become dedicated receivers, most own work last (a stack: the lightest
-        is taken first; ties: lower rank first)."""
+        """Servers that may become dedicated receivers, most own work first: :meth:`_dedicated_for`
+        scans from the end, so the lightest is taken first (among equal loads, the higher rank)."""
         mean = float(self.load.sum()) / self.R
         longest = np.zeros(self.R, dtype=np.int64)
         np.maximum.at(longest, s.rank, layout.doc_lens[s.doc])
@@ -318,11 +318,10 @@ class _Balancer:
         their chunks read a KV prefix of up to a rank or more) shed first, and a deep chunk goes to
         a *dedicated receiver* when no ordinary receiver has room for all of it: a light server
         (see ``_DEDICATED_LOAD``) takes such chunks as if its heaviest own pieces were gone, and
-        :meth:`offload` hands those on afterwards. A long
-        document's excess then goes to few servers, each pulling its deep KV prefix once, where
-        servers with a little room each would each pull it: the prefix's homes send it fewer
-        times (the busiest sender's bytes), at the price of moving the receivers' own short
-        documents, whose KV prefixes are short.
+        :meth:`offload` hands those on afterwards. A long document's excess then goes to few
+        servers, each pulling its deep KV prefix once, where servers with a little room each would
+        each pull it: the prefix's homes send it fewer times (the busiest sender's bytes), at the
+        price of moving the receivers' own short documents, whose KV prefixes are short.
         """
         # A list, not the array: this loop reads single loads thousands of times (same floats).
         load = self.load.tolist()
