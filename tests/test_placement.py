@@ -88,20 +88,45 @@ def test_pack_at_512_ranks_balances_capped_pretrain_moving_no_more_than_the_load
     assert after.traffic.max_server_bytes <= before.traffic.max_server_bytes
 
 
-@pytest.mark.parametrize("kind", ["pretrain", "capped"])
+@pytest.mark.parametrize("kind", ["pretrain", "capped", "prolong"])
 def test_distca_with_placement_moves_fewer_bytes_than_without(kind):
     """512 ranks x 128K: planning after placement balances as well and its busiest server moves
-    no more bytes than planning on the loader's order."""
+    no more bytes than planning on the loader's order (on ProLong, the busiest server is the
+    first home of its longest document: what its mid-slot start is for)."""
     R, T = 512, 131072
     if kind == "capped":
         lens = realistic_capped(R, T, 0)
     else:
-        lens = sample_doclens(load_doclens("pretrain"), R * T, upsample=4, upsample_threshold=16384, seed=0)
+        lens = sample_doclens(load_doclens(kind), R * T, upsample=4, upsample_threshold=16384, seed=0)
     cm = load_cost_model("h200")
     before = plan(Layout.from_doclens(lens, R, T), "distca", tolerance=0.05, cost_model=cm)
     after = plan(place(lens, R, T, cost_model=cm).layouts[0], "distca", tolerance=0.05, cost_model=cm)
     assert after.imbalance <= 1.02
     assert after.traffic.max_server_bytes <= before.traffic.max_server_bytes
+
+
+def test_a_long_document_starts_mid_slot_when_that_spreads_its_kv_sends():
+    # 8 ranks x 4K: one 9000-token document (2.2 slots) among short ones. Aligned to a slot, its
+    # first rank would hold a whole slot of the prefix every moved chunk reads; it starts after
+    # other documents instead (a shorter head), and the plan's busiest server moves fewer bytes.
+    R, T = 8, 4096
+    lens = [9000] + [256] * ((R * T - 9000) // 256) + [(R * T - 9000) % 256]
+    cm = load_cost_model("h200")
+    lay = place(lens, R, T, cost_model=cm).layouts[0]
+    i = int(np.flatnonzero(lay.doc_lens == 9000)[0])
+    a = lay.cu_seqlens[i]
+    assert a % T > 0 and (a + 9000) // T == a // T + 2  # mid-slot, over three slots
+    aligned = placement_mod._head_offset
+    try:
+        placement_mod._head_offset = lambda *args: 0
+        lay0 = place(lens, R, T, cost_model=cm).layouts[0]
+    finally:
+        placement_mod._head_offset = aligned
+    assert lay0.cu_seqlens[int(np.flatnonzero(lay0.doc_lens == 9000)[0])] % T == 0
+    ours = plan(lay, "distca", cost_model=cm)
+    theirs = plan(lay0, "distca", cost_model=cm)
+    assert ours.imbalance <= 1.02 and theirs.imbalance <= 1.02
+    assert ours.traffic.max_server_bytes < theirs.traffic.max_server_bytes
 
 
 def test_a_document_heavier_than_what_its_slot_can_balance_is_cut_across_two_slots():

@@ -43,6 +43,18 @@ the slot more than this fraction above the mean."""
 MIN_ROUND = 4
 """A placing round takes at least slots / MIN_ROUND documents (bounds the rounds, and the time)."""
 
+OFFSETS = 32
+"""A long document's head starts at one of this many offsets into its first slot (``_head_offset``)."""
+
+OWN_READ = 0.7
+"""Fraction of a slot's rows of a long document that the chunks moved off that slot read (they are
+cut towards the slot's end, so read most of its rows; every later slot's chunks read all of them)."""
+
+HEAD_GAIN = 0.9
+"""A long document starts mid-slot only when that lowers its estimated largest sends to at most
+this fraction of a slot-aligned start's (documents many slots long gain little, and an offset
+costs them a slot)."""
+
 
 @dataclass(frozen=True, eq=False)
 class Placement:
@@ -210,14 +222,16 @@ def _place(lens, work, mb_of, R, T, M, cm, cross: bool) -> list[np.ndarray] | No
     cap = np.full(S, T, dtype=np.int64)  # room left per slot (slot s = m * R + r)
     base = np.zeros(S)  # work of the pieces of long and split documents per slot
     long_at: dict[int, list[int]] = {}  # slot -> long documents that start in it, in order
+    head_at: dict[int, tuple[int, int]] = {}  # slot -> (long document, head tokens) ending it
     is_long = lens > T
-    for m in range(M):
-        _lay_long(np.nonzero(is_long & (mb_of == m))[0], lens, R, T, m * R, cap, base, long_at, cm)
-    short = np.nonzero(~is_long)[0]
     mean = float(work.sum()) / S
+    for m in range(M):
+        _lay_long(np.nonzero(is_long & (mb_of == m))[0], lens, R, T, m * R, mean, cap, base, long_at, head_at, cm)
+    short = np.nonzero(~is_long)[0]
     split_at = _split_heavy(short, lens, work, mean, R, T, M, cap, base, cm)
     if split_at:
         short = short[~np.isin(short, [d for d, _ in split_at.values()])]
+    split_at.update(head_at)  # a long document's head ends its slot as a split document's does
     fill = short[work[short] < FILLER * mean]
     items = short[work[short] >= FILLER * mean]
     f_tok = float(lens[fill].sum())
@@ -319,23 +333,30 @@ def _split_heavy(short, lens, work, mean, R, T, M, cap, base, cm) -> dict[int, t
     return out
 
 
-def _lay_long(idx, lens, R, T, s0, cap, base, long_at, cm) -> None:
+def _lay_long(idx, lens, R, T, s0, mean, cap, base, long_at, head_at, cm) -> None:
     """Lay the long documents ``idx`` of one micro-batch (slots ``s0 .. s0 + R - 1``) over
-    consecutive slots, longest first, each starting at a slot boundary while the slots left
-    suffice for the rest (else right after the previous one). Updates ``cap`` (the room after a
-    slot's long pieces, which always start at the slot's start) and ``base`` (their work)."""
+    consecutive slots, longest first. Each starts ``_head_offset`` tokens into a slot while the
+    slots left suffice for the rest (its head then ends that slot, after other documents:
+    ``head_at``), else at the next slot boundary, else right after the previous one (``long_at``:
+    first in its slot). Updates ``cap`` (room left per slot) and ``base`` (the pieces' work)."""
     if not idx.size:
         return
     idx = idx[np.argsort(-lens[idx], kind="stable")]
-    need = np.ceil(lens[idx] / T).astype(np.int64)
+    need = -(-lens[idx] // T)
     rest = np.concatenate([np.cumsum(need[::-1])[::-1][1:], [0]])  # slots the later ones need
     pos = s0 * T
     end_mb = (s0 + R) * T
     for k, i in enumerate(idx.tolist()):
-        if pos % T and (pos // T + 1) + need[k] + rest[k] <= s0 + R:
-            pos = (pos // T + 1) * T  # align to the next slot boundary
         L = int(lens[i])
-        long_at.setdefault(pos // T, []).append(i)
+        s = -(-pos // T)  # the next slot boundary
+        o = _head_offset(L, T, mean, cm)
+        if o and s + -(-(L + o) // T) + rest[k] <= s0 + R:
+            pos = s * T + o
+            head_at[s] = (i, T - o)
+        else:
+            if pos % T and s + need[k] + rest[k] <= s0 + R:
+                pos = s * T
+            long_at.setdefault(pos // T, []).append(i)
         a = pos
         while a < pos + L:  # the pieces of this document, slot by slot
             s = a // T
@@ -345,6 +366,25 @@ def _lay_long(idx, lens, R, T, s0, cap, base, long_at, cm) -> None:
             a = b
         pos += L
     assert pos <= end_mb  # the documents of one micro-batch fit in it
+
+
+def _head_offset(L: int, T: int, mean: float, cm: CostModel) -> int:
+    """Tokens of other documents before a long document's head in its first slot (a multiple of
+    ``T / OFFSETS``), chosen to spread the KV prefix it sends: CAD moves each slot's excess work
+    over the mean to other ranks, and every chunk moved from position ``e`` reads the prefix
+    ``[0, e)`` from the slots holding it. A slot's sends are then about its rows of the document
+    times the excess of every later slot plus ``OWN_READ`` x its own. A head of a whole slot (offset 0) makes the
+    first slot send a full slot of rows to every receiver; a short head moves that load to the
+    second slot, whose rows fewer receivers read."""
+    o = np.arange(OFFSETS) * (T // OFFSETS)
+    n = -(-(L + o[-1]) // T)
+    b = np.minimum(np.arange(1, n + 1)[None, :] * T - o[:, None], L)  # [offsets, slots] piece ends
+    a = np.concatenate([np.zeros((o.size, 1), np.int64), b[:, :-1]], axis=1)
+    excess = np.maximum(cm.task_time(a, b) - mean, 0.0)
+    later = np.cumsum(excess[:, ::-1], axis=1)[:, ::-1] - excess  # excess of every later slot
+    sends = ((b - a) * (later + OWN_READ * excess)).max(axis=1)
+    k = int(np.argmin(sends))
+    return int(o[k]) if sends[k] <= HEAD_GAIN * sends[0] else 0
 
 
 def _targets(cap, base, mean, T) -> np.ndarray:
