@@ -1,4 +1,5 @@
 import dataclasses
+import gc
 import json
 from collections import defaultdict
 
@@ -7,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from distca import MODEL_SHAPES, POLICIES, CostModel, Layout, Plan, causal_pairs, load_cost_model, plan, split_nano_batches
+from distca import MODEL_SHAPES, POLICIES, CostModel, Layout, Plan, causal_pairs, load_cost_model, place, plan, split_nano_batches
 from distca.doclens import load_doclens, sample_doclens
 from distca.planner import move_gain
 
@@ -544,3 +545,23 @@ def test_balancer_bytes_match_the_traffic_model():
         moved = build_plan(lay, "test", k[:, 0], k[:, 1], k[:, 2], k[:, 3], opts, merge=False)
         got = moved.traffic.server_recv_fwd[j] - colo.traffic.server_recv_fwd[j]
         assert bal.inbound.cost(j, d, x, e) == pytest.approx(float(got)), (R, T, d, x, e, j)
+
+
+@pytest.mark.parametrize("cost", ["h200", "cpu", "h200+hgx_h200"])
+def test_planning_leaves_no_reference_cycles(cost):
+    """Placement and every policy free all they build by reference counting: a cycle (the
+    balancer once held a bound method of itself) keeps each plan's working lists alive until the
+    collector's next pass, and makes that pass slow."""
+    lens = sample_doclens(load_doclens("prolong"), 16 * 65536, upsample=4, upsample_threshold=16384, seed=0)
+    lay = place(lens, 16, 65536, cost_model=cost).layouts[0]
+    gc.collect()
+    gc.disable()
+    try:
+        place(lens, 16, 65536, cost_model=cost)
+        for policy in POLICIES:
+            plan(lay, policy, cost_model=cost)
+        plan(lay, "distca", cost_model=cost, capacity_bytes=1 << 40)
+        found = gc.collect()
+    finally:
+        gc.enable()
+    assert found == 0

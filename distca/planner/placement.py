@@ -420,32 +420,42 @@ def _lpt(items, lens, work, cap, base, target, fill_work, fill_tok, min_round, R
     # Work and tokens still to place from order[i] on, filler included (suffix sums).
     rest_w = np.append(np.cumsum(work[order][::-1])[::-1], 0.0) + fill_work
     rest_t = np.append(np.cumsum(lens[order][::-1])[::-1], 0) + fill_tok
+    lens_o, work_o = lens[order], work[order]
     pend = order[:0]  # documents whose round's slot had no room for them: first in the next round
     while i < n or pend.size:
-        rho = (rest_w[i] + float(work[pend].sum())) / (rest_t[i] + int(lens[pend].sum()))
         take = min(n - i, cap.size - pend.size)
         n_pend = pend.size
-        full = np.concatenate([pend, order[i : i + take]])
-        key = np.where(cap >= int(lens[full].min()), placed + rho * cap - target, np.inf)
-        lo = float(key.min())
-        if lo == np.inf:
+        if n_pend:
+            rho = (rest_w[i] + float(work[pend].sum())) / (rest_t[i] + int(lens[pend].sum()))
+            full = np.concatenate([pend, order[i : i + take]])
+            shortest = int(lens[full].min())
+            heaviest = work[full[0]]
+        else:
+            rho = rest_w[i] / rest_t[i]
+            full = order[i : i + take]
+            shortest = int(lens_o[i : i + take].min())
+            heaviest = work_o[i]
+        room = cap >= shortest
+        n_room = int(np.count_nonzero(room))
+        if n_room == 0:
             for d in np.concatenate([full, order[i + take :]]).tolist():
                 if not _span(d, lens, work, cap, placed, target, R, split_at, cm):
                     spill.append(d)
             break
-        k = min(full.size, max(int((key <= lo + work[full[0]]).sum()), min_round))
-        bins = np.argsort(key, kind="stable")[:k]
-        bins = bins[np.isfinite(key[bins])]
+        key = np.where(room, placed + rho * cap - target, np.inf)
+        lo = float(key.min())
+        k = min(full.size, max(int(np.count_nonzero(key <= lo + heaviest)), min_round), n_room)
+        bins = np.argsort(key, kind="stable")[:k]  # slots without room sort last (inf)
         used = bins.size
         batch, later = full[:used], full[used:n_pend]  # later: pending ones this round had no slot for
         lb = lens[batch]
         ok = cap[bins] >= lb
-        b = bins[ok]
-        slot[batch[ok]] = b
+        b, got = bins[ok], batch[ok]
+        slot[got] = b
         cap[b] -= lb[ok]
-        placed[b] += work[batch[ok]]
-        if ok.any():
-            pend = np.concatenate([batch[~ok], later])  # retried next round, against the new projections
+        placed[b] += work[got]
+        if got.size:
+            pend = np.concatenate([batch[~ok], later]) if got.size < used or later.size else later[:0]  # retried next round, against the new projections
         else:
             pend = later
             for d in batch.tolist():  # no progress by rounds: each to the least loaded with room
