@@ -177,6 +177,10 @@ class CostModel:
 
     def time(self, q_len, kv_len, pairs):
         """Modelled seconds; accepts Python numbers or numpy arrays of equal shape."""
+        if self.task_s == 0.0 and self.half_q == 0.0 and self.rect_s == 0.0:
+            # The same floats without the terms that add 0.0 or multiply by 1.0 (e.g. ``h200``):
+            # the planner evaluates this over every document and piece of a step.
+            return q_len * self.q_token_s + kv_len * self.kv_token_s + pairs * self.pair_s
         q = np.maximum(q_len, 1)
         return (
             self.task_s

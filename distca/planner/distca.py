@@ -520,6 +520,7 @@ class _Balancer:
         heap = [(load[k], k) for k in receivers if k not in ded and fill_to - load[k] > min_room]
         heapq.heapify(heap)
         piece_t, free, docs, starts, ends = self.piece_t, self.free, self.docs, self.starts, self.ends
+        doc_lens = self.layout.doc_lens.tolist()
         for j in self.dedicated:
             pieces = [i for i in self._ranked(j) if i not in free]  # its own, still whole
             cum = np.cumsum([piece_t[i] for i in pieces]).tolist()
@@ -532,9 +533,13 @@ class _Balancer:
                 if m:
                     for i in pieces[p : p + m]:
                         free[i] = []
-                        load[k] += self._land(docs[i], starts[i], ends[i], k, piece_t[i])
+                        doc = docs[i]
+                        if starts[i] == 0 and ends[i] == doc_lens[doc]:
+                            load[k] += piece_t[i]  # a whole document: nothing of it can be adjacent on k
+                        else:
+                            load[k] += self._land(doc, starts[i], ends[i], k, piece_t[i])
                         piece_t[i] = 0.0
-                        self.moved.append((docs[i], starts[i], ends[i], k))
+                        self.moved.append((doc, starts[i], ends[i], k))
                         self.moved_from.append((i, j))
                     load[j] -= cum[p + m - 1] - base
                     base = cum[p + m - 1]
@@ -568,21 +573,25 @@ class _Balancer:
         servers a single deep min-shard chunk can be several percent of the mean. The
         pair's maximum never goes up, so neither does the plan's.
         """
-        load, ms = self.load, self.min_shard
+        ms = self.min_shard
         if not self.moved:
             return
         # In order of the pair's larger load (ties: move order).
-        pair_max = np.maximum(load[[m[3] for m in self.moved]], load[[m[1] for m in self.moved_from]])
+        pair_max = np.maximum(self.load[[m[3] for m in self.moved]], self.load[[m[1] for m in self.moved_from]])
         order = np.argsort(-pair_max, kind="stable").tolist()
+        load = self.load.tolist()  # read one by one below: a list (the same floats)
         for k in order:
             doc, x, e, j = self.moved[k]
             i, d = self.moved_from[k]
             now = max(load[d], load[j])
             if now <= hi_bound:
                 continue
+            held = self._held.get((doc, j))
+            if held is None:
+                continue  # a whole document handed on by offload: no kept range of it to shift against
             # The chunk may be part of a longer range of the document on j (adjacent chunks merge
             # into one task): the boundary that moves is that range's end or start.
-            by_end, by_start = self._held[(doc, j)]
+            by_end, by_start = held
             best = None  # (max load, kept index, new kept range, new chunk, new range)
             for n, (u, v) in enumerate(self.intervals(i)):
                 if u == e and e in by_end:  # chunk [x, e) then kept [e, v): b is the chunk's end
@@ -638,13 +647,15 @@ class _Balancer:
             else:  # its start
                 del by_start[x]
             by_end[r1], by_start[r0] = r0, r1
+        self.load[:] = load
 
     def tasks(self):
         s = self.seg
         untouched = np.ones(s.doc.size, dtype=bool)
         untouched[list(self.free)] = False
         cut = [(self.docs[i], u, v, int(s.rank[i])) for i, ivs in self.free.items() for u, v in ivs if v > u]
-        extra = np.asarray(cut + self.moved, dtype=np.int64).reshape(-1, 4)
+        rows = cut + self.moved
+        extra = np.fromiter(itertools.chain.from_iterable(rows), np.int64, 4 * len(rows)).reshape(-1, 4)
         return tuple(
             np.concatenate([col[untouched], extra[:, k]])
             for k, col in enumerate((s.doc, s.start, s.end, s.rank))

@@ -458,16 +458,21 @@ def _lpt(items, lens, work, cap, base, target, fill_work, fill_tok, min_round, R
             pend = np.concatenate([batch[~ok], later]) if got.size < used or later.size else later[:0]  # retried next round, against the new projections
         else:
             pend = later
-            for d in batch.tolist():  # no progress by rounds: each to the least loaded with room
-                fits = cap >= lens[d]
-                if not fits.any():
+            # No progress by rounds: each to the least loaded with room. The projections are
+            # kept up to date slot by slot (the same floats as recomputing them all).
+            proj = placed + rho * cap - target
+            for d in batch.tolist():
+                L = lens[d]
+                s = int(np.argmin(np.where(cap >= L, proj, np.inf)))
+                if cap[s] < L:  # no slot has room
                     if not _span(d, lens, work, cap, placed, target, R, split_at, cm):
                         spill.append(d)
+                    proj = placed + rho * cap - target  # _span changed two slots
                     continue
-                s = int(np.argmin(np.where(fits, placed + rho * cap - target, np.inf)))
                 slot[d] = s
-                cap[s] -= lens[d]
+                cap[s] -= L
                 placed[s] += work[d]
+                proj[s] = placed[s] + rho * cap[s] - target[s]
         i += max(0, used - n_pend)  # the round used its pending documents first, then order[i:]
     return slot[items], np.asarray(spill, dtype=np.int64)
 
