@@ -108,8 +108,10 @@ def place(
 
     Algorithm (see ``docs/planner.md``):
 
-    1. Documents longer than a slot are laid over consecutive slots, each starting at a slot
-       boundary while enough slots remain (else right after the previous one).
+    1. Documents longer than a slot are laid over consecutive slots, each starting part-way into
+       a fresh slot (after other documents; ``_head_offset``: where that spreads the KV prefix
+       its first slots send to the ranks CAD moves its work to) or at a slot boundary, while
+       enough slots remain (else right after the previous one).
     2. Documents that fit in a slot but whose slot could not be balanced with them whole (their
        work plus the lightest possible filling of the rest of the slot is above the mean by more
        than ``SPLIT_SLACK``) are cut across the boundary of two empty slots, the head ending one
