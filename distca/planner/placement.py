@@ -382,7 +382,7 @@ def _head_offset(L: int, T: int, mean: float, cm: CostModel) -> int:
     n = -(-(L + o[-1]) // T)
     b = np.minimum(np.arange(1, n + 1)[None, :] * T - o[:, None], L)  # [offsets, slots] piece ends
     a = np.concatenate([np.zeros((o.size, 1), np.int64), b[:, :-1]], axis=1)
-    excess = np.maximum(cm.task_time(a, b) - mean, 0.0)
+    excess = np.where(b > a, np.maximum(cm.task_time(a, b) - mean, 0.0), 0.0)  # no piece past the end
     later = np.cumsum(excess[:, ::-1], axis=1)[:, ::-1] - excess  # excess of every later slot
     sends = ((b - a) * (later + OWN_READ * excess)).max(axis=1)
     k = int(np.argmin(sends))
