@@ -175,11 +175,16 @@ class CostModel:
         """Whether bytes have a price on the network (a per-byte cost over either link)."""
         return self.net_inter_byte_s > 0.0 or self.net_intra_byte_s > 0.0
 
+    @property
+    def plain(self) -> bool:
+        """Whether the model has no per-task, short-shard or rectangle term (e.g. ``h200``): its
+        time is then linear in query rows, KV rows and pairs, and is computed without the terms
+        that would add 0.0 or multiply by 1.0 (the same floats)."""
+        return self.task_s == 0.0 and self.half_q == 0.0 and self.rect_s == 0.0
+
     def time(self, q_len, kv_len, pairs):
         """Modelled seconds; accepts Python numbers or numpy arrays of equal shape."""
-        if self.task_s == 0.0 and self.half_q == 0.0 and self.rect_s == 0.0:
-            # The same floats without the terms that add 0.0 or multiply by 1.0 (e.g. ``h200``):
-            # the planner evaluates this over every document and piece of a step.
+        if self.plain:  # the planner evaluates this over every document and piece of a step
             return q_len * self.q_token_s + kv_len * self.kv_token_s + pairs * self.pair_s
         q = np.maximum(q_len, 1)
         return (

@@ -105,7 +105,7 @@ def test_distca_with_placement_moves_fewer_bytes_than_without(kind):
     assert after.traffic.max_server_bytes <= before.traffic.max_server_bytes
 
 
-def test_a_long_document_starts_mid_slot_when_that_spreads_its_kv_sends():
+def test_a_long_document_starts_mid_slot_when_that_spreads_its_kv_sends(monkeypatch):
     # 8 ranks x 4K: one 9000-token document (2.2 slots) among short ones. Aligned to a slot, its
     # first rank would hold a whole slot of the prefix every moved chunk reads; it starts after
     # other documents instead (a shorter head), and the plan's busiest server moves fewer bytes.
@@ -116,12 +116,8 @@ def test_a_long_document_starts_mid_slot_when_that_spreads_its_kv_sends():
     i = int(np.flatnonzero(lay.doc_lens == 9000)[0])
     a = lay.cu_seqlens[i]
     assert a % T > 0 and (a + 9000) // T == a // T + 2  # mid-slot, over three slots
-    aligned = placement_mod._head_offset
-    try:
-        placement_mod._head_offset = lambda *args: 0
-        lay0 = place(lens, R, T, cost_model=cm).layouts[0]
-    finally:
-        placement_mod._head_offset = aligned
+    monkeypatch.setattr(placement_mod, "_head_offset", lambda *args: 0)
+    lay0 = place(lens, R, T, cost_model=cm).layouts[0]
     assert lay0.cu_seqlens[int(np.flatnonzero(lay0.doc_lens == 9000)[0])] % T == 0
     ours = plan(lay, "distca", cost_model=cm)
     theirs = plan(lay0, "distca", cost_model=cm)

@@ -62,7 +62,7 @@ class _Balancer:
         self.piece_t = seg_time.tolist()  # modelled seconds of each piece's kept ranges
         self.load = np.bincount(s.rank, seg_time, self.R).astype(np.float64)
         self.coef = (cm.task_s, cm.q_token_s, cm.kv_token_s, cm.pair_s, cm.half_q, cm.rect_s)
-        if cm.task_s == 0.0 and cm.half_q == 0.0 and cm.rect_s == 0.0:  # e.g. the h200 model
+        if cm.plain:  # e.g. the h200 model
             self.t = _plain_time(cm.q_token_s, cm.kv_token_s, cm.pair_s)
         self.moved: list[tuple[int, int, int, int]] = []  # (doc, x, e, receiver)
         self.moved_from: list[tuple[int, int]] = []  # (piece, donor) of each moved chunk
@@ -467,7 +467,10 @@ class _Balancer:
     def _land(self, doc: int, x: int, e: int, j: int, t: float) -> float:
         """Seconds that queries [x, e) of ``doc`` (``t`` seconds as a task of their own) add on
         server ``j``: less when they extend a range of the document that ``j`` received, since
-        build_plan merges adjacent ranges into one task that reads its KV prefix once."""
+        build_plan merges adjacent ranges into one task that reads its KV prefix once. A whole
+        document has nothing to be adjacent to: it is not recorded."""
+        if x == 0 and e == self.layout.doc_lens[doc]:
+            return t
         held = self._held.get((doc, j))
         if held is None:
             self._held[(doc, j)] = ({e: x}, {x: e})
@@ -520,7 +523,6 @@ class _Balancer:
         heap = [(load[k], k) for k in receivers if k not in ded and fill_to - load[k] > min_room]
         heapq.heapify(heap)
         piece_t, free, docs, starts, ends = self.piece_t, self.free, self.docs, self.starts, self.ends
-        doc_lens = self.layout.doc_lens.tolist()
         for j in self.dedicated:
             pieces = [i for i in self._ranked(j) if i not in free]  # its own, still whole
             cum = np.cumsum([piece_t[i] for i in pieces]).tolist()
@@ -533,13 +535,9 @@ class _Balancer:
                 if m:
                     for i in pieces[p : p + m]:
                         free[i] = []
-                        doc = docs[i]
-                        if starts[i] == 0 and ends[i] == doc_lens[doc]:
-                            load[k] += piece_t[i]  # a whole document: nothing of it can be adjacent on k
-                        else:
-                            load[k] += self._land(doc, starts[i], ends[i], k, piece_t[i])
+                        load[k] += self._land(docs[i], starts[i], ends[i], k, piece_t[i])
                         piece_t[i] = 0.0
-                        self.moved.append((doc, starts[i], ends[i], k))
+                        self.moved.append((docs[i], starts[i], ends[i], k))
                         self.moved_from.append((i, j))
                     load[j] -= cum[p + m - 1] - base
                     base = cum[p + m - 1]
@@ -588,7 +586,7 @@ class _Balancer:
                 continue
             held = self._held.get((doc, j))
             if held is None:
-                continue  # a whole document handed on by offload: no kept range of it to shift against
+                continue  # a whole document (see _land): the donor keeps nothing of it to shift against
             # The chunk may be part of a longer range of the document on j (adjacent chunks merge
             # into one task): the boundary that moves is that range's end or start.
             by_end, by_start = held

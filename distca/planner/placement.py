@@ -375,9 +375,9 @@ def _head_offset(L: int, T: int, mean: float, cm: CostModel) -> int:
     ``T / OFFSETS``), chosen to spread the KV prefix it sends: CAD moves each slot's excess work
     over the mean to other ranks, and every chunk moved from position ``e`` reads the prefix
     ``[0, e)`` from the slots holding it. A slot's sends are then about its rows of the document
-    times the excess of every later slot plus ``OWN_READ`` x its own. A head of a whole slot (offset 0) makes the
-    first slot send a full slot of rows to every receiver; a short head moves that load to the
-    second slot, whose rows fewer receivers read."""
+    times the excess of every later slot plus ``OWN_READ`` x its own. A head of a whole slot
+    (offset 0) makes the first slot send a full slot of rows to every receiver; a short head moves
+    that load to the second slot, whose rows fewer receivers read."""
     o = np.arange(OFFSETS) * (T // OFFSETS)
     n = -(-(L + o[-1]) // T)
     b = np.minimum(np.arange(1, n + 1)[None, :] * T - o[:, None], L)  # [offsets, slots] piece ends
@@ -422,22 +422,13 @@ def _lpt(items, lens, work, cap, base, target, fill_work, fill_tok, min_round, R
     # Work and tokens still to place from order[i] on, filler included (suffix sums).
     rest_w = np.append(np.cumsum(work[order][::-1])[::-1], 0.0) + fill_work
     rest_t = np.append(np.cumsum(lens[order][::-1])[::-1], 0) + fill_tok
-    lens_o, work_o = lens[order], work[order]
     pend = order[:0]  # documents whose round's slot had no room for them: first in the next round
     while i < n or pend.size:
         take = min(n - i, cap.size - pend.size)
         n_pend = pend.size
-        if n_pend:
-            rho = (rest_w[i] + float(work[pend].sum())) / (rest_t[i] + int(lens[pend].sum()))
-            full = np.concatenate([pend, order[i : i + take]])
-            shortest = int(lens[full].min())
-            heaviest = work[full[0]]
-        else:
-            rho = rest_w[i] / rest_t[i]
-            full = order[i : i + take]
-            shortest = int(lens_o[i : i + take].min())
-            heaviest = work_o[i]
-        room = cap >= shortest
+        rho = (rest_w[i] + float(work[pend].sum())) / (rest_t[i] + int(lens[pend].sum()))
+        full = np.concatenate([pend, order[i : i + take]])
+        room = cap >= int(lens[full].min())
         n_room = int(np.count_nonzero(room))
         if n_room == 0:
             for d in np.concatenate([full, order[i + take :]]).tolist():
@@ -446,7 +437,7 @@ def _lpt(items, lens, work, cap, base, target, fill_work, fill_tok, min_round, R
             break
         key = np.where(room, placed + rho * cap - target, np.inf)
         lo = float(key.min())
-        k = min(full.size, max(int(np.count_nonzero(key <= lo + heaviest)), min_round), n_room)
+        k = min(full.size, max(int(np.count_nonzero(key <= lo + work[full[0]])), min_round), n_room)
         bins = np.argsort(key, kind="stable")[:k]  # slots without room sort last (inf)
         used = bins.size
         batch, later = full[:used], full[used:n_pend]  # later: pending ones this round had no slot for
@@ -457,7 +448,7 @@ def _lpt(items, lens, work, cap, base, target, fill_work, fill_tok, min_round, R
         cap[b] -= lb[ok]
         placed[b] += work[got]
         if got.size:
-            pend = np.concatenate([batch[~ok], later]) if got.size < used or later.size else later[:0]  # retried next round, against the new projections
+            pend = np.concatenate([batch[~ok], later])  # retried next round, against the new projections
         else:
             pend = later
             # No progress by rounds: each to the least loaded with room. The projections are
