@@ -58,6 +58,7 @@ class _Balancer:
         self.starts, self.ends = s.start.tolist(), s.end.tolist()
         self.free: dict[int, list[tuple[int, int]]] = {}  # kept query ranges of the pieces that were cut
         self.docs = s.doc.tolist()
+        self.doc_len = layout.doc_lens.tolist()
         seg_time = cm.task_time(s.start, s.end)
         self.piece_t = seg_time.tolist()  # modelled seconds of each piece's kept ranges
         self.load = np.bincount(s.rank, seg_time, self.R).astype(np.float64)
@@ -66,6 +67,9 @@ class _Balancer:
             self.t = _plain_time(cm.q_token_s, cm.kv_token_s, cm.pair_s)
         self.moved: list[tuple[int, int, int, int]] = []  # (doc, x, e, receiver)
         self.moved_from: list[tuple[int, int]] = []  # (piece, donor) of each moved chunk
+        self.handed: list[tuple[list[int], int]] = []
+        """Whole pieces :meth:`offload` handed on, as (pieces, receiver): kept apart from ``moved``
+        (nothing of such a piece stays with its donor, so :meth:`refine` has no boundary to shift)."""
         self.doc_recv: dict[int, list[int]] = {}  # servers that were given chunks of a document
         self.doc_recv_set: dict[int, set[int]] = {}  # the same, as sets
         self._held: dict[tuple[int, int], tuple[dict[int, int], dict[int, int]]] = {}
@@ -92,7 +96,9 @@ class _Balancer:
         # Not with capacity_bytes (a dedicated receiver takes deep KV prefixes), nor with a network
         # model: pricing each handed piece is slow (a ledger check per move), and plan() also plans
         # with free bytes, with dedicated receivers, and keeps that plan when it is cheaper.
-        dedicate = capacity is None and self.net is None
+        # Nor where no piece is deep (see :meth:`_deep`): no chunk would ever be dedicated.
+        self._any_deep = bool(s.end.size) and int(s.end.max()) >= self.T
+        dedicate = capacity is None and self.net is None and self._any_deep
         self._candidates = self._dedication_candidates(layout, s, shape, overload) if dedicate else []
         self._ded_set: set[int] = set()
         self._ded_full: set[int] = set()  # dedicated receivers that take no more deep chunks
@@ -329,6 +335,7 @@ class _Balancer:
         heap = [(load[j], j) for j in receivers if up * mean - load[j] > _MIN_ROOM * mean]
         heapq.heapify(heap)
         active = {j for _, j in heap}
+        dedicate = dedicate and self._any_deep
         if dedicate:
             # Donors of deep chunks first, while the light servers still hold only their own work.
             donors = sorted(donors, key=lambda d: not any(self._deep(i) for i in self.top_pieces(d)))
@@ -469,7 +476,7 @@ class _Balancer:
         server ``j``: less when they extend a range of the document that ``j`` received, since
         build_plan merges adjacent ranges into one task that reads its KV prefix once. A whole
         document has nothing to be adjacent to: it is not recorded."""
-        if x == 0 and e == self.layout.doc_lens[doc]:
+        if x == 0 and e == self.doc_len[doc]:
             return t
         held = self._held.get((doc, j))
         if held is None:
@@ -523,6 +530,7 @@ class _Balancer:
         heap = [(load[k], k) for k in receivers if k not in ded and fill_to - load[k] > min_room]
         heapq.heapify(heap)
         piece_t, free, docs, starts, ends = self.piece_t, self.free, self.docs, self.starts, self.ends
+        lens = self.doc_len
         for j in self.dedicated:
             pieces = [i for i in self._ranked(j) if i not in free]  # its own, still whole
             cum = np.cumsum([piece_t[i] for i in pieces]).tolist()
@@ -533,12 +541,16 @@ class _Balancer:
                 i = pieces[p]
                 m = 0 if i in free else bisect.bisect_right(cum, base + take, p) - p  # whole pieces that fit
                 if m:
-                    for i in pieces[p : p + m]:
+                    block = pieces[p : p + m]
+                    for i in block:
                         free[i] = []
-                        load[k] += self._land(docs[i], starts[i], ends[i], k, piece_t[i])
+                        # _land's whole-document case inlined: most handed pieces are whole documents.
+                        if starts[i] == 0 and ends[i] == lens[docs[i]]:
+                            load[k] += piece_t[i]
+                        else:
+                            load[k] += self._land(docs[i], starts[i], ends[i], k, piece_t[i])
                         piece_t[i] = 0.0
-                        self.moved.append((docs[i], starts[i], ends[i], k))
-                        self.moved_from.append((i, j))
+                    self.handed.append((block, k))
                     load[j] -= cum[p + m - 1] - base
                     base = cum[p + m - 1]
                     p += m
@@ -654,8 +666,10 @@ class _Balancer:
         cut = [(self.docs[i], u, v, int(s.rank[i])) for i, ivs in self.free.items() for u, v in ivs if v > u]
         rows = cut + self.moved
         extra = np.fromiter(itertools.chain.from_iterable(rows), np.int64, 4 * len(rows)).reshape(-1, 4)
+        handed = np.fromiter(itertools.chain.from_iterable(b for b, _ in self.handed), np.int64)
+        to = np.repeat([k for _, k in self.handed], [len(b) for b, _ in self.handed]).astype(np.int64)
         return tuple(
-            np.concatenate([col[untouched], extra[:, k]])
+            np.concatenate([col[untouched], extra[:, k], col[handed] if k < 3 else to])
             for k, col in enumerate((s.doc, s.start, s.end, s.rank))
         )
 
