@@ -415,20 +415,31 @@ def _lpt(items, lens, work, cap, base, target, fill_work, fill_tok, min_round, R
     next (added to ``split_at``; see :func:`_span`). Updates ``cap``; returns (slot per item or
     -1, items that fit nowhere, not even over two slots)."""
     order = items[np.argsort(-work[items], kind="stable")]
+    lens_o, work_o = lens[order], work[order]
     placed = base.copy()
     slot = np.full(lens.size, -1, dtype=np.int64)
     spill = []
     n, i = order.size, 0
     # Work and tokens still to place from order[i] on, filler included (suffix sums).
-    rest_w = np.append(np.cumsum(work[order][::-1])[::-1], 0.0) + fill_work
-    rest_t = np.append(np.cumsum(lens[order][::-1])[::-1], 0) + fill_tok
+    rest_w = np.append(np.cumsum(work_o[::-1])[::-1], 0.0) + fill_work
+    rest_t = np.append(np.cumsum(lens_o[::-1])[::-1], 0) + fill_tok
     pend = order[:0]  # documents whose round's slot had no room for them: first in the next round
     while i < n or pend.size:
-        take = min(n - i, cap.size - pend.size)
         n_pend = pend.size
-        rho = (rest_w[i] + float(work[pend].sum())) / (rest_t[i] + int(lens[pend].sum()))
-        full = np.concatenate([pend, order[i : i + take]])
-        room = cap >= int(lens[full].min())
+        take = min(n - i, cap.size - n_pend)
+        # Slices of order[i:] rather than indexing the round's documents (the same values): a round
+        # is a few dozen numpy calls on arrays of at most one entry per slot, so each call counts.
+        shortest = int(lens_o[i : i + take].min()) if take else 0
+        if n_pend:
+            rho = (rest_w[i] + float(work[pend].sum())) / (rest_t[i] + int(lens[pend].sum()))
+            full = np.concatenate([pend, order[i : i + take]])
+            shortest = int(lens[pend].min()) if not take else min(shortest, int(lens[pend].min()))
+            heaviest = work[pend[0]]
+        else:
+            rho = rest_w[i] / rest_t[i]  # the same float: the sums above add 0.0 and 0
+            full = order[i : i + take]
+            heaviest = work_o[i]
+        room = cap >= shortest
         n_room = int(np.count_nonzero(room))
         if n_room == 0:
             for d in np.concatenate([full, order[i + take :]]).tolist():
@@ -437,11 +448,11 @@ def _lpt(items, lens, work, cap, base, target, fill_work, fill_tok, min_round, R
             break
         key = np.where(room, placed + rho * cap - target, np.inf)
         lo = float(key.min())
-        k = min(full.size, max(int(np.count_nonzero(key <= lo + work[full[0]])), min_round), n_room)
+        k = min(full.size, max(int(np.count_nonzero(key <= lo + heaviest)), min_round), n_room)
         bins = np.argsort(key, kind="stable")[:k]  # slots without room sort last (inf)
         used = bins.size
         batch, later = full[:used], full[used:n_pend]  # later: pending ones this round had no slot for
-        lb = lens[batch]
+        lb = lens[batch] if n_pend else lens_o[i : i + used]
         ok = cap[bins] >= lb
         b, got = bins[ok], batch[ok]
         slot[got] = b
