@@ -8,15 +8,17 @@ Examples:
     python scripts/bench_planner.py --doclens pretrain --ranks 512 --placement balance --policy colocated  # pack
 
 With --json: one JSON object per policy per line (policy, ranks, tokens_per_rank, imbalance,
-pairs_imbalance, plan_ms, max_server_bytes, total_bytes, num_tasks, placement, place_ms, layer_s,
-max_exposed_s, ...). ``layer_s``: :func:`distca.planner.plans.layer_seconds` (the planner's
+pairs_imbalance, plan_ms, max_server_bytes, total_bytes, num_tasks, placement, placed, place_ms,
+layer_s, max_exposed_s, ...). ``layer_s``: :func:`distca.planner.plans.layer_seconds` (the planner's
 objective: slowest rank's forward + backward plus its exposed transfers); ``max_exposed_s``: the
 largest per-rank exposed transfer seconds (0 without a network model, e.g. ``--cost-model
 h200+hgx_h200``).
 
 ``--placement balance`` reorders the batch's documents with :func:`distca.place` before any
-policy plans it (``pack`` = ``--placement balance --policy colocated``); ``place_ms`` is its
-wall time (median of ``--repeats``), ``plan_ms`` the planner's alone. ``--max-doc-tokens N``
+policy plans it (``pack`` = ``--placement balance --policy colocated``), as the CA loader does
+(``[core_attention] placement = "balance"``): only where the placed order's modelled imbalance is
+lower than the given order's, else the given order is kept (``placed``: false); ``place_ms`` is
+placement's wall time (median of ``--repeats``), ``plan_ms`` the planner's alone. ``--max-doc-tokens N``
 caps every document of the sampled pool at N tokens (e.g. T/4: no document holds more work
 than a rank's share).
 
@@ -37,9 +39,10 @@ from pathlib import Path
 import numpy as np
 
 from distca import MODEL_SHAPES, POLICIES, Layout, place, plan
-from distca.cost import exposed_seconds
+from distca.cost import exposed_seconds, load_cost_model
 from distca.doclens import load_doclens, sample_doclens, take_tokens
 from distca.planner.bounds import fanout_bytes
+from distca.planner.placement import slot_imbalance
 from distca.planner.plans import layer_seconds
 from distca.sim.workloads import heavy_tail_lengths
 
@@ -98,16 +101,21 @@ def build_layout(args: argparse.Namespace) -> Layout:
     return Layout.from_doclens(lens, args.ranks, args.tokens_per_rank)
 
 
-def placed_layout(layout: Layout, args: argparse.Namespace) -> tuple[Layout, float]:
-    """``layout`` with ``args.placement`` applied, and the placement's median wall ms (0 for none)."""
+def placed_layout(layout: Layout, args: argparse.Namespace) -> tuple[Layout, float, bool]:
+    """``layout`` with ``args.placement`` applied as the CA loader applies it (the placed order only
+    where it lowers the modelled imbalance, :func:`distca.planner.placement.slot_imbalance`), the
+    placement's median wall ms (0 for none), and whether the placed order was kept."""
     if args.placement == "none":
-        return layout, 0.0
+        return layout, 0.0, False
     times = []
     for _ in range(max(1, args.repeats)):
         t0 = time.perf_counter()
         p = place(layout.doc_lens, layout.ranks, layout.tokens_per_rank, cost_model=args.cost_model, shape=args.model)
         times.append((time.perf_counter() - t0) * 1e3)
-    return p.layouts[0], float(np.median(times))
+    cm = load_cost_model(args.cost_model).for_shape(MODEL_SHAPES[args.model])
+    if p.imbalance < slot_imbalance([layout], cm):
+        return p.layouts[0], float(np.median(times)), True
+    return layout, float(np.median(times)), False
 
 
 def _timed_plan(layout: Layout, policy: str, args: argparse.Namespace, tolerance: float):
@@ -171,7 +179,7 @@ def fanout_bound(layout: Layout, max_load: float, shape: str, cost_model: str) -
 
 def compare(args: argparse.Namespace) -> list[dict]:
     """distca vs greedy per tolerance: same tolerance, equal achieved balance, and the lower bound."""
-    layout, _ = placed_layout(build_layout(args), args)
+    layout, _, _ = placed_layout(build_layout(args), args)
     rows = []
     for tol in args.tolerances:
         ours, ours_ms = _timed_plan(layout, "distca", args, tol)
@@ -218,7 +226,7 @@ def compare_table(rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    layout, place_ms = placed_layout(build_layout(args), args)
+    layout, place_ms, placed = placed_layout(build_layout(args), args)
     rows = []
     for policy in args.policy or list(POLICIES):
         p, plan_ms = _timed_plan(layout, policy, args, args.tolerance)
@@ -244,6 +252,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 "cost_model": args.cost_model,
                 "tolerance": args.tolerance,
                 "placement": args.placement,
+                "placed": placed,
                 "place_ms": round(place_ms, 2),
             }
         )
@@ -270,7 +279,8 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--synthetic", choices=SYNTHETIC, help="a constructed batch (see synthetic_batch)")
     ap.add_argument("--max-doc-tokens", type=int, default=None, help="cap every pool document at this many tokens")
     ap.add_argument("--placement", choices=("none", "balance"), default="none",
-                    help="reorder documents with distca.place before planning (balance + colocated = pack)")
+                    help="reorder documents with distca.place before planning where that lowers the modelled "
+                         "imbalance, as the CA loader does (balance + colocated = pack)")
     ap.add_argument("--upsample", type=int, default=4, help="repeat documents >= threshold this many times")
     ap.add_argument("--upsample-threshold", type=int, default=16384)
     ap.add_argument("--seed", type=int, default=0)

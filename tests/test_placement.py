@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import distca.planner.placement as placement_mod
-from distca import Layout, load_cost_model, place, plan
+from distca import MODEL_SHAPES, Layout, load_cost_model, place, plan
+from distca.planner.placement import slot_imbalance
 from distca.doclens import load_doclens, sample_doclens
 
 
@@ -46,6 +47,9 @@ def test_placement_is_exact(step, cost):
     # The slot work is what the colocated plan charges.
     for lay, w in zip(p.layouts, p.slot_work):
         assert np.allclose(plan(lay, "colocated", cost_model=cost).loads, w, rtol=1e-12)
+    # The loader's rule compares the same measure for the given order.
+    cm = load_cost_model(cost).for_shape(MODEL_SHAPES["llama3-8b"])
+    assert slot_imbalance(p.layouts, cm) == pytest.approx(p.imbalance, rel=1e-12)
     # Deterministic.
     q = place(list(lens), R, T, micro_batches=M, cost_model=cost)
     assert all(np.array_equal(a, b) for a, b in zip(p.order, q.order))

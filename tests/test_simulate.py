@@ -9,6 +9,7 @@ import pytest
 
 from distca import MODEL_SHAPES, Layout, causal_pairs, load_cost_model, plan
 from distca.doclens import load_doclens
+from distca.planner.placement import slot_work
 from distca.sim import baselines, cli, hardware, pipeline, report, step, sweep
 
 FIELDS = {
@@ -797,7 +798,7 @@ def test_pack_lowers_the_imbalance_of_a_capped_batch():
     cm = load_cost_model("h200").for_shape(MODEL_SHAPES["llama3-8b"])
     lay = Layout.from_doclens([3 * 8192, 1000, 1000, 1000, 1000, 3 * 8192 - 4000, 8192, 8192], 4, 16384)
     placed, _, used = sweep.placed_layout(lay, cm, MODEL_SHAPES["llama3-8b"])
-    before, after = sweep.slot_work(lay, cm), sweep.slot_work(placed[0], cm)
+    before, after = slot_work(lay, cm), slot_work(placed[0], cm)
     assert after.max() / after.mean() <= before.max() / before.mean()
     assert used == (after.max() / after.mean() < before.max() / before.mean())
 

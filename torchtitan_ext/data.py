@@ -554,7 +554,7 @@ def place_windows(
         so their total modelled work differs slightly.)
     """
     from distca import Layout, place
-    from distca.planner.placement import slot_work
+    from distca.planner.placement import slot_imbalance
 
     for arg, v in (("ranks", ranks), ("tokens_per_rank", tokens_per_rank)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -576,12 +576,8 @@ def place_windows(
     starts = np.concatenate([c[:-1] + i * total for i, c in enumerate(cus)])  # [N] in the M windows' tokens
     cm, sh = _placement_model(cost_model, shape)
     p = place(lens, S, ts, micro_batches=M, cost_model=cm, shape=sh)
-    work = []
-    for c in cus:  # the same slots in the stream's order: what the planner would see without placement
-        work.append(slot_work(Layout(tuple(c.tolist()), S, ts), cm))
-    work = np.asarray(work, dtype=np.float64)
-    mean = float(work.mean())
-    before = float(work.max()) / mean if mean > 0 else 1.0
+    # The same slots in the stream's order: what the planner would see without placement.
+    before = slot_imbalance([Layout(tuple(c.tolist()), S, ts) for c in cus], cm)
     if p.imbalance >= before:  # placement would not lower the reported max / mean: keep the stream order
         return PlacedStep(list(windows), before, before, False)
     tokens, labels, positions = (torch.cat([getattr(w, f) for w in windows]) for f in ("tokens", "labels", "positions"))

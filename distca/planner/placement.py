@@ -25,7 +25,7 @@ import numpy as np
 from distca.cost import CostModel, ModelShape
 from distca.layout import Layout
 
-__all__ = ["Placement", "place", "slot_work"]
+__all__ = ["Placement", "place", "slot_imbalance", "slot_work"]
 
 FILLER = 1e-3
 """Documents whose whole-document work is below this fraction of a slot's mean work are
@@ -197,6 +197,19 @@ def slot_work(layout: Layout, cost_model: CostModel) -> np.ndarray:
     with for the order it was given (the colocated plan's loads)."""
     s = layout.segments
     return np.bincount(s.rank, cost_model.task_time(s.start, s.end), layout.ranks)
+
+
+def slot_imbalance(layouts: Sequence[Layout], cost_model: CostModel) -> float:
+    """max / mean of :func:`slot_work` over every slot of a step's ``layouts`` (one per micro-batch)
+    in the order they hold their documents: what :attr:`Placement.imbalance` is for a placed order.
+
+    The rule the CA loader applies (``[core_attention] placement = "balance"``), and with it the
+    simulator and the planner benchmark: keep the loader's order unless the placed one's imbalance
+    is lower than this. Imbalance, not the slowest slot alone: the two orders cut documents at
+    different places, so their total modelled work differs slightly."""
+    work = np.concatenate([slot_work(x, cost_model) for x in layouts])
+    mean = float(work.mean())
+    return float(work.max()) / mean if mean > 0 else 1.0
 
 
 def _pos_int(name: str, v: object) -> int:

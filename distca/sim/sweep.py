@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from distca import load_cost_model, place, plan
-from distca.planner.placement import slot_work
+from distca.planner.placement import slot_imbalance
 from distca.sim.baselines import wlb_buffer_bound, wlb_caps, wlb_cp_step, wlb_ideal_step
 from distca.sim.hardware import ARCHS, TP, Arch, Hardware, linear_fwd_s, memory_fields, recompute_layers
 from distca.sim.step import rank_costs, step_time
@@ -119,16 +119,14 @@ def placed_layout(lay, cm, shape):
     """Document placement as the CA loader applies it (``torchtitan_ext/data.py``, ``place_windows``):
     ``distca.place`` over the documents of ``lay`` (one layout) or of a list of micro-batch layouts
     (placed over all of them, ``micro_batches=M``), kept only where the placed order's modelled
-    imbalance (max / mean colocated attention work over the step's slots) is lower than the
-    loader's order's; else the loader's order. Returns (layouts, milliseconds, whether placed)."""
+    imbalance is lower than the loader's order's (``distca.planner.placement.slot_imbalance``);
+    else the loader's order. Returns (layouts, milliseconds, whether placed)."""
     lays = lay if isinstance(lay, list) else [lay]
     lens = np.concatenate([x.doc_lens[~x.is_padding] for x in lays])
     t0 = time.perf_counter()
     p = place(lens, lays[0].ranks, lays[0].tokens_per_rank, micro_batches=len(lays), cost_model=cm, shape=shape)
     ms = (time.perf_counter() - t0) * 1e3
-    work = np.concatenate([slot_work(x, cm) for x in lays])
-    before = float(work.max() / work.mean()) if work.mean() > 0 else 1.0
-    if p.imbalance < before:
+    if p.imbalance < slot_imbalance(lays, cm):
         return list(p.layouts), ms, True
     return lays, ms, False
 
