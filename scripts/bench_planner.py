@@ -18,9 +18,9 @@ h200+hgx_h200``).
 policy plans it (``pack`` = ``--placement balance --policy colocated``), as the CA loader does
 (``[core_attention] placement = "balance"``): only where the placed order's modelled imbalance is
 lower than the given order's, else the given order is kept (``placed``: false); ``place_ms`` is
-placement's wall time (median of ``--repeats``), ``plan_ms`` the planner's alone. ``--max-doc-tokens N``
-caps every document of the sampled pool at N tokens (e.g. T/4: no document holds more work
-than a rank's share).
+placement's wall time (median of ``--repeats``), ``plan_ms`` the planner's alone.
+``--max-doc-tokens N`` caps every document of the sampled pool at N tokens (e.g. T/4: no document
+holds more work than a rank's share).
 
 ``--compare``: distca against greedy at each of ``--tolerances``: bytes at the same tolerance, and
 at equal achieved balance (greedy re-planned at smaller tolerances until its max/mean is no higher
