@@ -78,7 +78,7 @@ class _Balancer:
         # Each rank's pieces are a contiguous run in stream order; they are ranked (heaviest first,
         # ties in stream order) only for ranks that donate (:meth:`_ranked`).
         self._rank_start = np.searchsorted(s.rank, np.arange(self.R + 1)).tolist()
-        self._seg_time = seg_time
+        self._neg_time = -seg_time  # heaviest first: a stable ascending sort of the negated times
         self._by_weight: dict[int, list[int]] = {}
         self.inbound = None if capacity is None else Inbound(layout, shape, capacity, s.rank, s.doc, s.start, s.end)
         """``capacity_bytes``' ledger (None: unbounded); raises CapacityError if the start already exceeds it."""
@@ -160,7 +160,7 @@ class _Balancer:
         got = self._by_weight.get(r)
         if got is None:
             a, b = self._rank_start[r], self._rank_start[r + 1]
-            got = self._by_weight[r] = (a + np.argsort(-self._seg_time[a:b], kind="stable")).tolist()
+            got = self._by_weight[r] = (a + self._neg_time[a:b].argsort(kind="stable")).tolist()
         return got
 
     def top_pieces(self, r: int) -> list[int]:
