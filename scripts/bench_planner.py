@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from distca import MODEL_SHAPES, POLICIES, Layout, place, plan
-from distca.cost import exposed_seconds, load_cost_model
+from distca.cost import exposed_seconds
 from distca.doclens import load_doclens, sample_doclens, take_tokens
 from distca.planner.bounds import fanout_bytes
 from distca.planner.placement import slot_imbalance
@@ -112,8 +112,10 @@ def placed_layout(layout: Layout, args: argparse.Namespace) -> tuple[Layout, flo
         t0 = time.perf_counter()
         p = place(layout.doc_lens, layout.ranks, layout.tokens_per_rank, cost_model=args.cost_model, shape=args.model)
         times.append((time.perf_counter() - t0) * 1e3)
-    cm = load_cost_model(args.cost_model).for_shape(MODEL_SHAPES[args.model])
-    if p.imbalance < slot_imbalance([layout], cm):
+    from distca.planner import _resolve_cost, _resolve_shape
+
+    # The model place() resolved from the same names: both orders are costed alike.
+    if p.imbalance < slot_imbalance([layout], _resolve_cost(args.cost_model, _resolve_shape(args.model))):
         return p.layouts[0], float(np.median(times)), True
     return layout, float(np.median(times)), False
 

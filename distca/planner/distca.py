@@ -58,7 +58,6 @@ class _Balancer:
         self.starts, self.ends = s.start.tolist(), s.end.tolist()
         self.free: dict[int, list[tuple[int, int]]] = {}  # kept query ranges of the pieces that were cut
         self.docs = s.doc.tolist()
-        self.doc_len = layout.doc_lens.tolist()
         seg_time = cm.task_time(s.start, s.end)
         self.piece_t = seg_time.tolist()  # modelled seconds of each piece's kept ranges
         self.load = np.bincount(s.rank, seg_time, self.R).astype(np.float64)
@@ -476,7 +475,7 @@ class _Balancer:
         server ``j``: less when they extend a range of the document that ``j`` received, since
         build_plan merges adjacent ranges into one task that reads its KV prefix once. A whole
         document has nothing to be adjacent to: it is not recorded."""
-        if x == 0 and e == self.doc_len[doc]:
+        if x == 0 and e == self.layout.doc_lens[doc]:
             return t
         held = self._held.get((doc, j))
         if held is None:
@@ -530,7 +529,7 @@ class _Balancer:
         heap = [(load[k], k) for k in receivers if k not in ded and fill_to - load[k] > min_room]
         heapq.heapify(heap)
         piece_t, free, docs, starts, ends = self.piece_t, self.free, self.docs, self.starts, self.ends
-        lens = self.doc_len
+        lens = self.layout.doc_lens.tolist()  # read once per handed piece below
         for j in self.dedicated:
             pieces = [i for i in self._ranked(j) if i not in free]  # its own, still whole
             cum = np.cumsum([piece_t[i] for i in pieces]).tolist()

@@ -77,8 +77,7 @@ class Placement:
     @property
     def imbalance(self) -> float:
         """max / mean of :attr:`slot_work`."""
-        m = float(self.slot_work.mean())
-        return float(self.slot_work.max()) / m if m > 0 else 1.0
+        return _max_over_mean(self.slot_work)
 
 
 def place(
@@ -207,7 +206,10 @@ def slot_imbalance(layouts: Sequence[Layout], cost_model: CostModel) -> float:
     simulator and the planner benchmark: keep the loader's order unless the placed one's imbalance
     is lower than this. Imbalance, not the slowest slot alone: the two orders cut documents at
     different places, so their total modelled work differs slightly."""
-    work = np.concatenate([slot_work(x, cost_model) for x in layouts])
+    return _max_over_mean(np.concatenate([slot_work(x, cost_model) for x in layouts]))
+
+
+def _max_over_mean(work: np.ndarray) -> float:
     mean = float(work.mean())
     return float(work.max()) / mean if mean > 0 else 1.0
 
@@ -429,6 +431,7 @@ def _lpt(items, lens, work, cap, base, target, fill_work, fill_tok, min_round, R
     -1, items that fit nowhere, not even over two slots)."""
     order = items[np.argsort(-work[items], kind="stable")]
     lens_o, work_o = lens[order], work[order]
+    longest = int(lens.max()) if lens.size else 0
     placed = base.copy()
     slot = np.full(lens.size, -1, dtype=np.int64)
     spill = []
@@ -442,11 +445,11 @@ def _lpt(items, lens, work, cap, base, target, fill_work, fill_tok, min_round, R
         take = min(n - i, cap.size - n_pend)
         # Slices of order[i:] rather than indexing the round's documents (the same values): a round
         # is a few dozen numpy calls on arrays of at most one entry per slot, so each call counts.
-        shortest = int(lens_o[i : i + take].min()) if take else 0
+        shortest = int(lens_o[i : i + take].min(initial=longest))  # take is 0 once only pending ones are left
         if n_pend:
             rho = (rest_w[i] + float(work[pend].sum())) / (rest_t[i] + int(lens[pend].sum()))
             full = np.concatenate([pend, order[i : i + take]])
-            shortest = int(lens[pend].min()) if not take else min(shortest, int(lens[pend].min()))
+            shortest = min(shortest, int(lens[pend].min()))
             heaviest = work[pend[0]]
         else:
             rho = rest_w[i] / rest_t[i]  # the same float: the sums above add 0.0 and 0
