@@ -50,6 +50,8 @@ def test_placement_is_exact(step, cost):
     # The loader's rule compares the same measure for the given order.
     cm = load_cost_model(cost).for_shape(MODEL_SHAPES["llama3-8b"])
     assert slot_imbalance(p.layouts, cm) == pytest.approx(p.imbalance, rel=1e-12)
+    with pytest.raises(ValueError, match="layouts must hold at least one Layout"):
+        slot_imbalance([], cm)
     # Deterministic.
     q = place(list(lens), R, T, micro_batches=M, cost_model=cost)
     assert all(np.array_equal(a, b) for a, b in zip(p.order, q.order))

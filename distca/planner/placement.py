@@ -206,6 +206,8 @@ def slot_imbalance(layouts: Sequence[Layout], cost_model: CostModel) -> float:
     simulator and the planner benchmark: keep the loader's order unless the placed one's imbalance
     is lower than this. Imbalance, not the slowest slot alone: the two orders cut documents at
     different places, so their total modelled work differs slightly."""
+    if not layouts:
+        raise ValueError("layouts must hold at least one Layout (one per micro-batch), got none")
     return _max_over_mean(np.concatenate([slot_work(x, cost_model) for x in layouts]))
 
 
