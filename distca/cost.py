@@ -28,6 +28,7 @@ model as ``load_cost_model("h200+hgx_h200")``.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, replace
 from importlib import resources
@@ -264,12 +265,19 @@ def _stored_json(prefix: str, name_or_path: str, what: str, listed: str) -> str:
     p = Path(name_or_path)
     if p.suffix == ".json" and p.exists():
         return p.read_text()
+    return _package_json(prefix, name_or_path, what, listed)
+
+
+@functools.cache
+def _package_json(prefix: str, name: str, what: str, listed: str) -> str:
+    """The text of the stored ``distca/data/<prefix>_<name>.json`` (read once: the planner resolves
+    its cost model at every call)."""
     data = resources.files("distca") / "data"
-    ref = data / f"{prefix}_{name_or_path}.json"
+    ref = data / f"{prefix}_{name}.json"
     if not ref.is_file():
         head = len(prefix) + 1
         names = sorted(f.name[head:-5] for f in data.iterdir() if f.name.startswith(f"{prefix}_"))
-        raise ValueError(f"unknown {what} {name_or_path!r}; {listed}: {names}, or pass a .json path")
+        raise ValueError(f"unknown {what} {name!r}; {listed}: {names}, or pass a .json path")
     return ref.read_text()
 
 
