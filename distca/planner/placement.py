@@ -429,7 +429,7 @@ def _lpt(items, lens, work, cap, base, target, fill_work, fill_tok, min_round, R
     its heaviest document of the least projected one (as LPT would: a heavier slot gets nothing
     until the lighter ones have caught up), but at least ``min_round`` of them (fewer rounds).
     A document that fits in no slot whole is laid over the end of one slot and the start of the
-    next (added to ``split_at``; see :func:`_span`). Updates ``cap``; returns (slot per item or
+    next (added to ``split_at``; see :class:`_Spans`). Updates ``cap``; returns (slot per item or
     -1, items that fit nowhere, not even over two slots)."""
     order = items[np.argsort(-work[items], kind="stable")]
     lens_o, work_o = lens[order], work[order]
@@ -437,37 +437,48 @@ def _lpt(items, lens, work, cap, base, target, fill_work, fill_tok, min_round, R
     placed = base.copy()
     slot = np.full(lens.size, -1, dtype=np.int64)
     spill = []
-    n, i = order.size, 0
-    # Work and tokens still to place from order[i] on, filler included (suffix sums).
-    rest_w = np.append(np.cumsum(work_o[::-1])[::-1], 0.0) + fill_work
-    rest_t = np.append(np.cumsum(lens_o[::-1])[::-1], 0) + fill_tok
+    n, i, S = order.size, 0, cap.size
+    # Work and tokens still to place from order[i] on, filler included (suffix sums), read one
+    # entry per round: lists (the same floats).
+    rest_w = (np.append(np.cumsum(work_o[::-1])[::-1], 0.0) + fill_work).tolist()
+    rest_t = (np.append(np.cumsum(lens_o[::-1])[::-1], 0) + fill_tok).tolist()
+    spans = _Spans(S, R, split_at)
+    buf = np.empty(S)
+    # A round is a few dozen numpy calls on arrays of at most one entry per slot, so each call
+    # counts: slices of order[i:] rather than indexing the round's documents, ufunc reductions
+    # rather than the array methods that wrap them (the same values).
+    least, add = np.minimum.reduce, np.add.reduce
     pend = order[:0]  # documents whose round's slot had no room for them: first in the next round
     while i < n or pend.size:
         n_pend = pend.size
-        take = min(n - i, cap.size - n_pend)
-        # Slices of order[i:] rather than indexing the round's documents (the same values): a round
-        # is a few dozen numpy calls on arrays of at most one entry per slot, so each call counts.
-        shortest = int(lens_o[i : i + take].min(initial=longest))  # take is 0 once only pending ones are left
+        take = min(n - i, S - n_pend)
+        shortest = int(least(lens_o[i : i + take], initial=longest))  # take is 0 once only pending ones are left
         if n_pend:
-            rho = (rest_w[i] + float(work[pend].sum())) / (rest_t[i] + int(lens[pend].sum()))
+            lp = lens[pend]
+            rho = (rest_w[i] + float(add(work[pend]))) / (rest_t[i] + int(add(lp)))
             full = np.concatenate([pend, order[i : i + take]])
-            shortest = min(shortest, int(lens[pend].min()))
+            shortest = min(shortest, int(least(lp)))
             heaviest = work[pend[0]]
         else:
             rho = rest_w[i] / rest_t[i]  # the same float: the sums above add 0.0 and 0
             full = order[i : i + take]
             heaviest = work_o[i]
-        room = cap >= shortest
-        n_room = int(np.count_nonzero(room))
+        full_up = cap < shortest  # slots without room for the round's shortest document
+        n_room = S - int(np.count_nonzero(full_up))
         if n_room == 0:
             for d in np.concatenate([full, order[i + take :]]).tolist():
-                if not _span(d, lens, work, cap, placed, target, R, split_at, cm):
+                if not spans.lay(d, lens, work, cap, placed, target, cm):
                     spill.append(d)
             break
-        key = np.where(room, placed + rho * cap - target, np.inf)
-        lo = float(key.min())
-        k = min(full.size, max(int(np.count_nonzero(key <= lo + heaviest)), min_round), n_room)
-        bins = np.argsort(key, kind="stable")[:k]  # slots without room sort last (inf)
+        key = np.multiply(cap, rho, out=buf)  # placed + rho * cap - target, in place (the same floats)
+        np.add(placed, key, out=key)
+        np.subtract(key, target, out=key)
+        key[full_up] = np.inf
+        by_key = key.argsort(kind="stable")  # slots without room sort last (inf)
+        # Slots within the heaviest document of the least projected one: counted in sorted order.
+        near = int(key[by_key].searchsorted(key[by_key[0]] + heaviest, side="right"))
+        k = min(full.size, max(near, min_round), n_room)
+        bins = by_key[:k]
         used = bins.size
         batch, later = full[:used], full[used:n_pend]  # later: pending ones this round had no slot for
         lb = lens[batch] if n_pend else lens_o[i : i + used]
@@ -484,43 +495,52 @@ def _lpt(items, lens, work, cap, base, target, fill_work, fill_tok, min_round, R
             # kept up to date slot by slot (the same floats as recomputing them all).
             proj = placed + rho * cap - target
             for d in batch.tolist():
-                L = lens[d]
-                s = int(np.argmin(np.where(cap >= L, proj, np.inf)))
-                if cap[s] < L:  # no slot has room
-                    if not _span(d, lens, work, cap, placed, target, R, split_at, cm):
+                L = int(lens[d])
+                s = int(np.where(cap >= L, proj, np.inf).argmin())
+                room = int(cap[s]) - L
+                if room < 0:  # no slot has room
+                    if not spans.lay(d, lens, work, cap, placed, target, cm):
                         spill.append(d)
-                    proj = placed + rho * cap - target  # _span changed two slots
+                    proj = placed + rho * cap - target  # a span changed two slots
                     continue
                 slot[d] = s
-                cap[s] -= L
-                placed[s] += work[d]
-                proj[s] = placed[s] + rho * cap[s] - target[s]
+                cap[s] = room
+                w = float(placed[s]) + float(work[d])
+                placed[s] = w
+                proj[s] = w + rho * room - float(target[s])
         i += max(0, used - n_pend)  # the round used its pending documents first, then order[i:]
     return slot[items], np.asarray(spill, dtype=np.int64)
 
 
-def _span(d, lens, work, cap, placed, target, R, split_at, cm) -> bool:
-    """Lay document ``d`` over the end of a slot ``s`` and the start of ``s + 1`` (same
-    micro-batch, ``s`` not already ending with a split head), where the two have room for it
-    together and the pair's projected work is least. The head is ``cap[s]`` tokens. Returns
-    False when no pair has room (the document is then poured)."""
-    L = int(lens[d])
-    S = cap.size
-    s = np.arange(S - 1)
-    ok = (cap[:-1] > 0) & (cap[:-1] + cap[1:] >= L) & ((s + 1) % R != 0)
-    if split_at:
-        ok[[k for k in split_at if k < S - 1]] = False
-    if not ok.any():
-        return False
-    key = np.where(ok, placed[:-1] + placed[1:] - target[:-1] - target[1:], np.inf)
-    b = int(np.argmin(key))
-    a = int(cap[b])
-    split_at[b] = (int(d), a)
-    cap[b] = 0
-    cap[b + 1] -= L - a
-    placed[b] += float(cm.task_time(0, a))
-    placed[b + 1] += float(cm.task_time(a, L))
-    return True
+class _Spans:
+    """Documents laid over the end of one slot and the start of the next (``split_at``), and which
+    slots may still end with one: not the last slot of a micro-batch (``R`` slots), nor one that
+    already ends with a split head."""
+
+    def __init__(self, S: int, R: int, split_at: dict[int, tuple[int, int]]):
+        self.split_at = split_at
+        self.open = (np.arange(1, S) % R) != 0  # slot s may end with a head running into s + 1
+        self.open[[k for k in split_at if k < S - 1]] = False
+
+    def lay(self, d, lens, work, cap, placed, target, cm) -> bool:
+        """Lay document ``d`` over the end of a slot ``s`` and the start of ``s + 1``, where the two
+        have room for it together and the pair's projected work is least. The head is ``cap[s]``
+        tokens. Returns False when no pair has room (the document is then poured)."""
+        L = int(lens[d])
+        head = cap[:-1]
+        ok = self.open & (head > 0) & (head + cap[1:] >= L)
+        if not ok.any():
+            return False
+        key = np.where(ok, placed[:-1] + placed[1:] - target[:-1] - target[1:], np.inf)
+        b = int(key.argmin())
+        a = int(cap[b])
+        self.split_at[b] = (int(d), a)
+        self.open[b] = False
+        cap[b] = 0
+        cap[b + 1] -= L - a
+        placed[b] += float(cm.task_time(0, a))
+        placed[b + 1] += float(cm.task_time(a, L))
+        return True
 
 
 def _split_exact(pour: np.ndarray, lens: np.ndarray, need: np.ndarray) -> list[np.ndarray] | None:
