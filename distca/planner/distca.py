@@ -41,6 +41,8 @@ _HANDED = 0.9
 _DEDICATED_ROOM = 0.05
 # A donor with more pieces than this has only its heaviest ranked (:meth:`_Balancer.top_pieces`).
 _FEW_PIECES = 64
+# Cells (candidates x pieces) per block when sizing the dedication candidates' handed pieces.
+_CELLS = 1 << 20
 
 
 class _Balancer:
@@ -119,14 +121,26 @@ class _Balancer:
         # The level of bytes a dedicated receiver may reach: what the busiest server must move in
         # any plan (so a dedication never makes the plan's busiest server).
         self._byte_cap = fanout_bytes(layout, self.cm, shape, mean * (1.0 + overload))
-        seg_len, seg_t = (s.end - s.start).tolist(), self.piece_t
-        for j in ok.tolist():
-            by = self._ranked(j)
-            cum = list(itertools.accumulate(seg_t[i] for i in by))  # np.cumsum's floats
-            n = min(bisect.bisect_left(cum, _HANDED * cum[-1]), len(cum) - 1) + 1
-            self._handed[j] = cum[n - 1]
+        # Per candidate, its heaviest pieces up to _HANDED of its work: all candidates at once, one
+        # row each (a rank's pieces heaviest first, ties in stream order, as _ranked gives them;
+        # padded past its count), in blocks of bounded size.
+        first_of = np.asarray(self._rank_start)
+        width = int((first_of[ok + 1] - first_of[ok]).max())
+        for rows in np.array_split(ok, -(-ok.size * width // _CELLS)):
+            first, count = first_of[rows], first_of[rows + 1] - first_of[rows]
+            valid = np.arange(width) < count[:, None]
+            idx = np.where(valid, first[:, None] + np.arange(width), 0)
+            by = np.take_along_axis(idx, np.where(valid, self._neg_time[idx], np.inf).argsort(axis=1, kind="stable"), 1)
+            # Left to right within each row: the floats of a running sum over the rank's pieces.
+            cum = np.cumsum(np.where(valid, -self._neg_time[by], 0.0), axis=1)
+            at = np.arange(rows.size)
+            # Pieces before the first whose running sum reaches _HANDED of the rank's work (the
+            # padding repeats the total, which is not below it), plus that one, but never all.
+            n = np.minimum(np.count_nonzero(cum < _HANDED * cum[at, count - 1][:, None], axis=1), count - 1) + 1
             # Each handed row goes out with its Q and KV, and its output comes back.
-            self._handed_bytes[j] = sum(seg_len[i] for i in by[:n]) * (self.qb + self.kvb)
+            rows_out = np.cumsum(np.where(valid, s.end[by] - s.start[by], 0), axis=1)[at, n - 1] * (self.qb + self.kvb)
+            self._handed.update(zip(rows.tolist(), cum[at, n - 1].tolist()))
+            self._handed_bytes.update(zip(rows.tolist(), rows_out.tolist()))
         self._least_handed_bytes = min(self._handed_bytes.values())
         return ok[np.argsort(-self.load[ok], kind="stable")].tolist()
 
