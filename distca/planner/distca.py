@@ -230,10 +230,22 @@ class _Balancer:
         ms = self.min_shard
         if (v * (v + 1) - u * (u + 1)) // 2 <= w_pairs:  # causal_pairs(u, v), inlined (hot path)
             return u, v
-        sqrt = math.sqrt  # (-1 + sqrt(1 + 4 max(c, 0))) / 2: the positive root y of y (y + 1) = c
-        e_min = math.ceil((-1.0 + sqrt(1.0 + 4.0 * max(2.0 * w_pairs + u * (u + 1), 0.0))) / 2.0)
-        e = int(min(max(round(sqrt(self.qb * w_pairs / self.kvb)), e_min), v))
-        x = min(max(int(round((-1.0 + sqrt(1.0 + 4.0 * max(e * (e + 1) - 2.0 * w_pairs, 0.0))) / 2.0)), u), e - 1)
+        # (-1 + sqrt(1 + 4 max(c, 0))) / 2: the positive root y of y (y + 1) = c. Bounds as
+        # comparisons, not min/max calls (the same ints: this runs a few thousand times a plan).
+        sqrt = math.sqrt
+        c = 2.0 * w_pairs + u * (u + 1)
+        e_min = math.ceil((-1.0 + sqrt(1.0 + 4.0 * (c if c > 0.0 else 0.0))) / 2.0)
+        e = round(sqrt(self.qb * w_pairs / self.kvb))
+        if e < e_min:
+            e = e_min
+        if e > v:
+            e = v
+        c = e * (e + 1) - 2.0 * w_pairs
+        x = round((-1.0 + sqrt(1.0 + 4.0 * (c if c > 0.0 else 0.0))) / 2.0)
+        if x < u:
+            x = u
+        if x > e - 1:
+            x = e - 1
         if e - x < ms:
             x = max(u, e - ms)
             if e - x < ms:
@@ -262,6 +274,7 @@ class _Balancer:
         two_w = 2.0 * w_pairs0
         sqrt = math.sqrt
         piece_t, free, small = self.piece_t, self.free, 0.25 * w
+        starts, ends = self.starts, self.ends
         for i in pieces:
             if piece_t[i] < small and cands:
                 # A small piece: moving all of it has poor work per byte. Pieces come heaviest
@@ -270,7 +283,7 @@ class _Balancer:
                     break
                 continue
             ivs = free.get(i)  # self.intervals(i), inlined
-            for k, (u, v) in enumerate(((self.starts[i], self.ends[i]),) if ivs is None else ivs):
+            for k, (u, v) in enumerate(((starts[i], ends[i]),) if ivs is None else ivs):
                 # The score of cut()'s chunk, inlined without min-shard snapping:
                 # this loop is the planner's hot path.
                 whole = (v * (v + 1) - u * (u + 1)) * 0.5
@@ -530,9 +543,15 @@ class _Balancer:
         """Move queries [x, e) of interval ``k`` of donor ``d``'s piece ``i`` to server ``j`` (``t``
         seconds there); returns the seconds it takes off the donor, and whether ``j`` is a new
         server of the document."""
-        ivs = self.intervals(i)
+        ivs = self.free.get(i)
+        if ivs is None:
+            ivs = ((self.starts[i], self.ends[i]),)
         u, v = ivs[k]
-        self.free[i] = ivs[:k] + tuple([iv for iv in ((u, x), (e, v)) if iv[1] > iv[0]]) + ivs[k + 1 :]
+        if x > u:
+            kept = ((u, x), (e, v)) if v > e else ((u, x),)
+        else:
+            kept = ((e, v),) if v > e else ()
+        self.free[i] = kept if len(ivs) == 1 else ivs[:k] + kept + ivs[k + 1 :]
         after = self.piece_t[i] - self.t(u, v) + self.t(u, x) + self.t(e, v)
         given = self.piece_t[i] - after
         load[d] -= given
@@ -541,8 +560,10 @@ class _Balancer:
         load[j] += self._land(doc, x, e, j, t)
         self.moved.append((doc, x, e, j))
         self.moved_from.append((i, d))
-        recv = self.doc_recv_set.setdefault(doc, set())
-        if j in recv:
+        recv = self.doc_recv_set.get(doc)
+        if recv is None:
+            recv = self.doc_recv_set[doc] = set()
+        elif j in recv:
             return given, False
         recv.add(j)
         self.doc_recv.setdefault(doc, []).append(j)
