@@ -127,10 +127,7 @@ class _Balancer:
         first_of = np.asarray(self._rank_start)
         width = int((first_of[ok + 1] - first_of[ok]).max())
         for rows in np.array_split(ok, -(-ok.size * width // _CELLS)):
-            first, count = first_of[rows], first_of[rows + 1] - first_of[rows]
-            valid = np.arange(width) < count[:, None]
-            idx = np.where(valid, first[:, None] + np.arange(width), 0)
-            by = np.take_along_axis(idx, np.where(valid, self._neg_time[idx], np.inf).argsort(axis=1, kind="stable"), 1)
+            by, valid, count = self._ranked_rows(rows)
             # Left to right within each row: the floats of a running sum over the rank's pieces.
             cum = np.cumsum(np.where(valid, -self._neg_time[by], 0.0), axis=1)
             at = np.arange(rows.size)
@@ -179,6 +176,18 @@ class _Balancer:
             a, b = self._rank_start[r], self._rank_start[r + 1]
             got = self._by_weight[r] = (a + self._neg_time[a:b].argsort(kind="stable")).tolist()
         return got
+
+    def _ranked_rows(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The pieces of ``ranks`` (int64 [n]) as :meth:`_ranked` gives them, one row per rank, in one
+        sort: (pieces [n, width], valid [n, width], count [n]); row i holds count[i] pieces, then
+        padding (``valid`` False) up to the largest count."""
+        first_of = np.asarray(self._rank_start)
+        first, count = first_of[ranks], first_of[ranks + 1] - first_of[ranks]
+        width = int(count.max()) if ranks.size else 0
+        valid = np.arange(width) < count[:, None]
+        idx = np.where(valid, first[:, None] + np.arange(width), 0)
+        order = np.where(valid, self._neg_time[idx], np.inf).argsort(axis=1, kind="stable")  # padding last
+        return np.take_along_axis(idx, order, 1), valid, count
 
     def top_pieces(self, r: int) -> list[int]:
         """Rank r's eight heaviest pieces: only a donor's heaviest pieces are worth cutting (their
