@@ -294,15 +294,19 @@ class _Balancer:
             ivs = free.get(i)  # self.intervals(i), inlined
             for k, (u, v) in enumerate(((starts[i], ends[i]),) if ivs is None else ivs):
                 # The score of cut()'s chunk, inlined without min-shard snapping:
-                # this loop is the planner's hot path.
+                # this loop is the planner's hot path (bounds as comparisons, not min/max calls:
+                # the same values, and of equal ones the same object, as min/max return).
                 whole = (v * (v + 1) - u * (u + 1)) * 0.5
                 if whole <= w_pairs0:
                     x, e = u, v
-                    score = (qb * (v - u) + kvb * v) / max(whole, 1.0)
+                    score = (qb * (v - u) + kvb * v) / (whole if whole >= 1.0 else 1.0)
                 else:
                     e_min = (sqrt(1.0 + 4.0 * (two_w + u * (u + 1))) - 1.0) * 0.5
-                    e = min(max(e_star, e_min), v)
-                    x = (sqrt(max(1.0 + 4.0 * (e * (e + 1) - two_w), 1.0)) - 1.0) * 0.5
+                    e = e_star if e_star >= e_min else e_min
+                    if e > v:
+                        e = v
+                    c = 1.0 + 4.0 * (e * (e + 1) - two_w)
+                    x = (sqrt(c if c >= 1.0 else 1.0) - 1.0) * 0.5
                     score = (qb * (e - x) + kvb * e) / w_pairs0
                 cands.append((score, len(cands), i, k, u, v, x, e))
         if not cands:
