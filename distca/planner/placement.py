@@ -246,13 +246,15 @@ def _place(lens, work, mb_of, R, T, M, cm, cross: bool) -> list[np.ndarray] | No
     mean = float(work.sum()) / S
     for m in range(M):
         _lay_long(np.nonzero(is_long & (mb_of == m))[0], lens, R, T, m * R, mean, cap, base, long_at, head_at, cm)
-    short = np.nonzero(~is_long)[0]
+    whole = ~is_long
+    short = np.nonzero(whole)[0]
     split_at = _split_heavy(short, lens, work, mean, R, T, M, cap, base, cm)
     if split_at:
-        short = short[~np.isin(short, [d for d, _ in split_at.values()])]
+        whole[[d for d, _ in split_at.values()]] = False
+        short = np.nonzero(whole)[0]
     split_at.update(head_at)  # a long document's head ends its slot as a split document's does
-    fill = short[work[short] < FILLER * mean]
-    items = short[work[short] >= FILLER * mean]
+    light = work[short] < FILLER * mean
+    fill, items = short[light], short[~light]
     f_tok = float(lens[fill].sum())
     target = _targets(cap, base, mean, T)
     assigned, spill = _lpt(
@@ -308,12 +310,12 @@ def _split_heavy(short, lens, work, mean, R, T, M, cap, base, cm) -> dict[int, t
     if not heavy.size:
         return {}
     heavy = heavy[np.argsort(-work[heavy], kind="stable")]
-    free = (cap == T).reshape(M, R)
+    free = (cap == T).reshape(M, R).tolist()  # read one by one below
     pairs = []
     for m in range(M):
         r = 0
         while r + 1 < R:
-            if free[m, r] and free[m, r + 1]:
+            if free[m][r] and free[m][r + 1]:
                 pairs.append(m * R + r)
                 r += 2
             else:
