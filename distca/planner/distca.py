@@ -4,10 +4,10 @@ to move; see :func:`assign`."""
 from __future__ import annotations
 
 import bisect
-from array import array
 import heapq
 import itertools
 import math
+from array import array
 
 import numpy as np
 
