@@ -352,6 +352,50 @@ def test_dedicated_receivers_take_one_deep_document_and_hand_their_own_on(monkey
         assert not (foreign and not own_deep and kept <= 0.2 * colo.loads[j] and light[j]), j
 
 
+@given(st.lists(st.integers(1, 6), min_size=70, max_size=300))
+def test_a_donors_top_pieces_are_the_first_eight_of_its_full_ranking(lens):
+    # A rank with more than _FEW_PIECES pieces ranks only those at least as heavy as its eighth
+    # heaviest: the same eight, in the same order (ties, here most pieces, in stream order).
+    from distca.planner import _resolve_cost
+    from distca.planner.distca import _FEW_PIECES, _Balancer
+
+    T = sum(lens)
+    lay = Layout.from_doclens([*lens, T], 2, T)  # rank 0: the short documents; rank 1: one
+    cm = _resolve_cost("h200", SHAPE)
+    assert len(lens) > _FEW_PIECES
+    assert _Balancer(lay, cm, SHAPE, 1, None).top_pieces(0) == _Balancer(lay, cm, SHAPE, 1, None)._ranked(0)[:8]
+
+
+@given(st.lists(st.integers(64, 2048), min_size=3, max_size=200), st.sampled_from([1 << 20, 7]))
+def test_dedication_candidates_hand_on_their_heaviest_pieces_up_to_the_share(short, cells):
+    # A dedication candidate hands on its heaviest own pieces (in _ranked's order) until their
+    # running time reaches _HANDED of its work, never all of them; sized for all candidates at
+    # once, in blocks of at most _CELLS cells (here also 7: a row per block).
+    import itertools
+    from distca.planner import _resolve_cost
+    from distca.planner import distca as D
+
+    T, R = 4096, 8
+    # A document over half the ranks (deep pieces); the others hold short documents, then 1-token
+    # ones (poured filler): light servers, each a candidate.
+    lay = Layout.from_doclens([4 * T, *short, *[1] * (R * T)], R, T)
+    cm = _resolve_cost("h200", SHAPE)
+    old, D._CELLS = D._CELLS, cells
+    try:
+        bal = D._Balancer(lay, cm, SHAPE, 16, None)
+    finally:
+        D._CELLS = old
+    assert sorted(bal._handed) == [4, 5, 6, 7]
+    ref = D._Balancer(lay, cm, SHAPE, 16, None)
+    s = ref.seg
+    for j in bal._handed:
+        by = ref._ranked(j)
+        cum = list(itertools.accumulate(float(ref.piece_t[i]) for i in by))
+        n = min(sum(c < D._HANDED * cum[-1] for c in cum), len(by) - 1) + 1
+        assert bal._handed[j] == cum[n - 1]
+        assert bal._handed_bytes[j] == int((s.end[by[:n]] - s.start[by[:n]]).sum()) * (ref.qb + ref.kvb)
+
+
 def test_balancer_costs_adjacent_chunks_as_one_merged_task():
     # build_plan merges adjacent ranges of a document on one server into one task (one KV read):
     # the balancer's account of a server's load must be that task's time, not the sum of chunks.

@@ -126,7 +126,7 @@ class _Balancer:
         # padded past its count), in blocks of bounded size.
         first_of = np.asarray(self._rank_start)
         width = int((first_of[ok + 1] - first_of[ok]).max())
-        for rows in np.array_split(ok, -(-ok.size * width // _CELLS)):
+        for rows in np.array_split(ok, min(ok.size, -(-ok.size * width // _CELLS))):  # no empty block
             by, valid, count = self._ranked_rows(rows)
             # Left to right within each row: the floats of a running sum over the rank's pieces.
             cum = np.cumsum(np.where(valid, -self._neg_time[by], 0.0), axis=1)
