@@ -63,6 +63,7 @@ class _Balancer:
         self.starts, self.ends = _untracked(s.start), _untracked(s.end)
         self.free: dict[int, tuple[tuple[int, int], ...]] = {}  # kept query ranges of the pieces that were cut
         self.docs = _untracked(s.doc)
+        self.doc_len = _untracked(layout.doc_lens)  # per document: whole-document moves are not merged (_land)
         seg_time = cm.task_time(s.start, s.end)
         self.piece_t = _untracked(seg_time)  # modelled seconds of each piece's kept ranges
         self.load = np.bincount(s.rank, seg_time, self.R).astype(np.float64)
@@ -534,7 +535,7 @@ class _Balancer:
         server ``j``: less when they extend a range of the document that ``j`` received, since
         build_plan merges adjacent ranges into one task that reads its KV prefix once. A whole
         document has nothing to be adjacent to: it is not recorded."""
-        if x == 0 and e == self.layout.doc_lens[doc]:
+        if x == 0 and e == self.doc_len[doc]:
             return t
         held = self._held.get((doc, j))
         if held is None:
@@ -556,9 +557,7 @@ class _Balancer:
         """Move queries [x, e) of interval ``k`` of donor ``d``'s piece ``i`` to server ``j`` (``t``
         seconds there); returns the seconds it takes off the donor, and whether ``j`` is a new
         server of the document."""
-        ivs = self.free.get(i)
-        if ivs is None:
-            ivs = ((self.starts[i], self.ends[i]),)
+        ivs = self.intervals(i)
         u, v = ivs[k]
         if x > u:
             kept = ((u, x), (e, v)) if v > e else ((u, x),)
@@ -596,7 +595,7 @@ class _Balancer:
         heap = [(load[k], k) for k in receivers if k not in ded and fill_to - load[k] > min_room]
         heapq.heapify(heap)
         piece_t, free, docs, starts, ends = self.piece_t, self.free, self.docs, self.starts, self.ends
-        lens = _untracked(self.layout.doc_lens)  # read once per handed piece below
+        lens = self.doc_len  # read once per handed piece below
         for j in self.dedicated:
             pieces = [i for i in self._ranked(j) if i not in free]  # its own, still whole
             cum = list(itertools.accumulate(piece_t[i] for i in pieces))  # np.cumsum's floats
