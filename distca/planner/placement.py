@@ -291,18 +291,19 @@ def _split_heavy(short, lens, work, mean, R, T, M, cap, base, cm) -> dict[int, t
     # The lightest a slot holding document d whole can end up: d plus its other T - l_d tokens
     # filled with the lightest documents there are (their work per token, rho_lo, taken over
     # as many tokens as all the candidates' slots would need).
-    cand = short[work[short] > SPLIT * mean]
+    is_cand = work[short] > SPLIT * mean
+    cand = short[is_cand]
     if not cand.size:
         return {}
-    rest = short[work[short] <= SPLIT * mean]
-    need = float((T - lens[cand]).sum())
-    # A document's work is a function of its length alone, so sorting the lengths (not their
-    # indices, and not stably) gives the same sums.
-    by_len = np.sort(lens[rest])
-    ct = np.cumsum(by_len)
-    k = min(int(np.searchsorted(ct, need)) + 1, by_len.size)
+    rest = short[~is_cand]
+    need = int((T - lens[cand]).sum())  # an int: searched in int sums, without a float copy of them
+    # A document's work is a non-decreasing function of its length alone (every term of the cost
+    # model is), so the sorted works are the works of the sorted lengths, in the same order: the
+    # same sum as task_time over them, without evaluating it again.
+    ct = np.cumsum(np.sort(lens[rest]))
+    k = min(int(np.searchsorted(ct, need)) + 1, ct.size)
     rho_lo = (
-        float(cm.task_time(np.zeros(k, np.int64), by_len[:k]).sum()) / max(float(ct[k - 1]), 1.0)
+        float(np.sort(work[rest])[:k].sum()) / max(float(ct[k - 1]), 1.0)
         if k else float(work[cand].sum() / lens[cand].sum())
     )  # fmt: skip
     heavy = cand[work[cand] + rho_lo * (T - lens[cand]) > (1.0 + SPLIT_SLACK) * mean]
