@@ -2,6 +2,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from distca import MODEL_SHAPES, CostModel, Layout, ModelShape, causal_pairs, cost, load_cost_model, plan
 from distca.doclens import load_doclens, sample_doclens
@@ -30,6 +32,40 @@ def test_cost_model_shapes_and_monotonicity():
     big = cm.for_shape(ModelShape(2 * cm.ref_heads, cm.ref_kv_heads, cm.ref_head_dim))
     assert big.pair_s == pytest.approx(2 * cm.for_shape(base).pair_s)
     assert big.kv_token_s == pytest.approx(cm.kv_token_s)
+
+
+_coef = st.just(0.0) | st.floats(1e-15, 1e-3)
+
+
+@given(
+    coef=st.tuples(_coef, _coef, _coef, _coef, _coef),
+    half_q=st.just(0.0) | st.floats(0.0, 1e4),
+    lens=st.lists(st.integers(1, 2**31 - 1), min_size=2, max_size=64),
+)
+@example(coef=(0.0, 0.0, 0.0, 0.0, 0.0), half_q=0.0, lens=[1, 2, 3])
+@example(coef=(1e-12, 0.0, 0.0, 1e-6, 0.0), half_q=1e4, lens=[1, 2, 3, 2**31 - 1])
+def test_whole_document_time_is_non_decreasing_in_length(coef, half_q, lens):
+    """Placement sums the lightest documents' sorted times as the times of their sorted lengths
+    (``placement._split_heavy``): that holds when a whole document's modelled time is
+    non-decreasing in its length, in floats, for every cost model."""
+    pair_s, q_s, kv_s, task_s, rect_s = coef
+    cm = CostModel("t", pair_s=pair_s, q_token_s=q_s, kv_token_s=kv_s, task_s=task_s, half_q=half_q, rect_s=rect_s)
+    L = np.asarray(lens, dtype=np.int64)
+    by_len = np.sort(L)
+    t = cm.task_time(np.zeros_like(by_len), by_len)
+    assert np.all(np.diff(t) >= 0.0)
+    np.testing.assert_array_equal(np.sort(cm.task_time(np.zeros_like(L), L)), t)
+
+
+@pytest.mark.parametrize("name", ["cpu", "h200"])
+def test_shipped_models_whole_document_time_is_non_decreasing(name):
+    """The same property for the shipped models at the shapes we train, every length up to 64K and
+    a sample up to 2^31 tokens."""
+    rng = np.random.default_rng(0)
+    L = np.concatenate([np.arange(1, 65537), np.sort(rng.integers(65537, 2**31, 4096))])
+    for shape in MODEL_SHAPES.values():
+        cm = load_cost_model(name).for_shape(shape)
+        assert np.all(np.diff(cm.task_time(np.zeros_like(L), L)) >= 0.0), shape
 
 
 def test_cost_model_json_roundtrip(tmp_path):
