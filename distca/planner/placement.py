@@ -296,18 +296,19 @@ def _split_heavy(short, lens, work, mean, R, T, M, cap, base, cm) -> dict[int, t
     if not cand.size:
         return {}
     rest = short[~is_cand]
+    l_rest, w_rest = lens[rest], work[rest]
     need = int((T - lens[cand]).sum())  # an int: searched in int sums, without a float copy of them
     # A document's work is a non-decreasing function of its length alone (every term of the cost
     # model is), so the sorted works are the works of the sorted lengths, in the same order: the
     # same sum as task_time over them, without evaluating it again.
-    ct = np.cumsum(np.sort(lens[rest]))
+    ct = np.cumsum(np.sort(l_rest))
     k = min(int(np.searchsorted(ct, need)) + 1, ct.size)
     rho_lo = (
-        float(np.sort(work[rest])[:k].sum()) / max(float(ct[k - 1]), 1.0)
+        float(np.sort(w_rest)[:k].sum()) / max(float(ct[k - 1]), 1.0)
         if k else float(work[cand].sum() / lens[cand].sum())
     )  # fmt: skip
     heavy = cand[work[cand] + rho_lo * (T - lens[cand]) > (1.0 + SPLIT_SLACK) * mean]
-    rho_rest = float(work[rest].sum()) / max(float(lens[rest].sum()), 1.0)
+    rho_rest = float(w_rest.sum()) / max(float(l_rest.sum()), 1.0)
     if not heavy.size:
         return {}
     heavy = heavy[np.argsort(-work[heavy], kind="stable")]
