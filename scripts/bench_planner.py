@@ -9,7 +9,9 @@ Examples:
 
 With --json: one JSON object per policy per line (policy, ranks, tokens_per_rank, imbalance,
 pairs_imbalance, plan_ms, max_server_bytes, total_bytes, num_tasks, placement, placed, place_ms,
-layer_s, max_exposed_s, ...). ``layer_s``: :func:`distca.planner.plans.layer_seconds` (the planner's
+layer_s, max_exposed_s, batch, ...). ``batch`` names the batch: ``doclens:NAME`` (with ``seed``,
+``upsample``, ``upsample_threshold``, ``max_doc_tokens``), ``synthetic:NAME`` (with ``seed``) or
+``file:PATH``. ``layer_s``: :func:`distca.planner.plans.layer_seconds` (the planner's
 objective: slowest rank's forward + backward plus its exposed transfers); ``max_exposed_s``: the
 largest per-rank exposed transfer seconds (0 without a network model, e.g. ``--cost-model
 h200+hgx_h200``).
@@ -99,6 +101,17 @@ def build_layout(args: argparse.Namespace) -> Layout:
             pool, total, upsample=args.upsample, upsample_threshold=args.upsample_threshold, seed=args.seed
         )
     return Layout.from_doclens(lens, args.ranks, args.tokens_per_rank)
+
+
+def batch_fields(args: argparse.Namespace) -> dict:
+    """What a JSON row needs to name its batch: the source (a distribution, a constructed batch or a
+    file) and the sampling settings that apply to it."""
+    if args.synthetic:
+        return {"batch": f"synthetic:{args.synthetic}", "seed": args.seed}
+    if args.batch_file:
+        return {"batch": f"file:{args.batch_file}"}
+    return {"batch": f"doclens:{args.doclens}", "seed": args.seed, "upsample": args.upsample,
+            "upsample_threshold": args.upsample_threshold, "max_doc_tokens": args.max_doc_tokens}  # fmt: skip
 
 
 def placed_layout(layout: Layout, args: argparse.Namespace) -> tuple[Layout, float, bool]:
@@ -202,7 +215,7 @@ def compare(args: argparse.Namespace) -> list[dict]:
             "greedy_equal_balance_max_server_bytes": eq.traffic.max_server_bytes,
             "lower_bound_max_server_bytes": bytes_lower_bound(layout, float(ours.loads.max()), args.model, args.cost_model),
             "fanout_bound_max_server_bytes": fanout_bound(layout, float(ours.loads.max()), args.model, args.cost_model),
-            "repeats": args.repeats, "placement": args.placement,
+            "repeats": args.repeats, "placement": args.placement, **batch_fields(args),
         })  # fmt: skip
     return rows
 
@@ -256,6 +269,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 "placement": args.placement,
                 "placed": placed,
                 "place_ms": round(place_ms, 2),
+                **batch_fields(args),
             }
         )
     return rows

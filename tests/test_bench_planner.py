@@ -29,6 +29,8 @@ def test_json_one_object_per_policy(tmp_path):
     for row in rows:
         assert FIELDS <= row.keys()
         assert row["ranks"] == 8 and row["tokens_per_rank"] == 16384
+        assert row["batch"] == "doclens:prolong" and row["seed"] == 3 and row["upsample"] == 4
+        assert row["upsample_threshold"] == 8192 and row["max_doc_tokens"] is None
     assert rows[0]["imbalance"] <= rows[1]["imbalance"]
 
 
@@ -131,6 +133,21 @@ def test_compare_json(tmp_path):
     assert row["tolerance"] == 0.05 and row["lower_bound_max_server_bytes"] <= row["distca_max_server_bytes"]
     assert row["fanout_bound_max_server_bytes"] <= row["distca_max_server_bytes"]
     assert row["greedy_equal_balance_reached"] == (row["greedy_equal_balance_imbalance"] <= row["distca_imbalance"])
+    assert row["batch"] == "doclens:pretrain" and row["seed"] == 0
+
+
+def test_rows_name_constructed_and_file_batches(tmp_path):
+    r = run("--synthetic", "one_doc", "--ranks", "2", "--tokens-per-rank", "4096", "--policy", "colocated",
+            "--seed", "5", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (row,) = [json.loads(line) for line in r.stdout.splitlines()]
+    assert row["batch"] == "synthetic:one_doc" and row["seed"] == 5 and "upsample" not in row
+    f = tmp_path / "batch.json"
+    f.write_text(json.dumps([3000, 500, 600, 4000, 100, 2000]))
+    r = run("--batch-file", str(f), "--ranks", "2", "--tokens-per-rank", "4096", "--policy", "colocated", "--json")
+    assert r.returncode == 0, r.stderr
+    (row,) = [json.loads(line) for line in r.stdout.splitlines()]
+    assert row["batch"] == f"file:{f}" and "seed" not in row
 
 
 @pytest.mark.parametrize("kind", ["heavy_tail", "one_doc", "tiny_mix", "many_tiny"])
@@ -170,6 +187,7 @@ def test_placement_flag_rows_carry_placement():
         assert r.returncode == 0, r.stderr
         (row,) = [json.loads(line) for line in r.stdout.splitlines()]
         assert row["placement"] == placement and "place_ms" in row
+        assert row["max_doc_tokens"] == 4096 and row["upsample"] == 1
         rows[placement] = row
     assert rows["balance"]["placed"] and not rows["none"]["placed"]
     assert rows["balance"]["imbalance"] < rows["none"]["imbalance"]
