@@ -1,6 +1,6 @@
 """The CA exchange: one nano-batch's core attention as phases over one all-to-all transport.
 
-:class:`Flight` is the only code that moves core-attention rows. ``distca.core_attention``
+:class:`Exchange` is the only code that moves core-attention rows. ``distca.core_attention``
 runs its phases back to back inside its custom ops; ``distca.pingpong`` runs the same
 phases of two nano-batches interleaved. Per phase, home ``h`` and server ``s`` (every rank
 is both)::
@@ -54,7 +54,7 @@ from torch.profiler import record_function
 from distca import kernels
 from distca.dispatch import DispatchMeta
 
-__all__ = ["ExchangeStats", "Flight"]
+__all__ = ["Exchange", "ExchangeStats"]
 
 _Spec = tuple[tuple[int, ...], torch.dtype, int]
 """A packed part: (row shape, dtype, byte offset in the row)."""
@@ -147,17 +147,30 @@ class _Message:
     work: "dist.Work | None"
 
 
-# ---- the flight -------------------------------------------------------------------------------
+# ---- the exchange -----------------------------------------------------------------------------
+
+_AFTER = {
+    "dispatch": ("new",),
+    "serve": ("dispatch",),
+    "land": ("serve",),
+    "dispatch_bwd": ("new", "land"),
+    "serve_bwd": ("dispatch_bwd",),
+    "land_bwd": ("serve_bwd",),
+}
+"""Phase -> the phases it may follow. A backward-only exchange (a backward on its own plan, or
+a backward op whose forward ran in another exchange) starts at ``dispatch_bwd``."""
 
 
 @dataclass(eq=False)
-class Flight:
-    """One nano-batch's core attention in progress on one rank, forward and backward.
+class Exchange:
+    """One nano-batch's core attention exchange on one rank, forward and backward.
 
     Phases run in order: ``dispatch``, ``serve``, ``land`` (forward), then
-    ``dispatch_bwd``, ``serve_bwd``, ``land_bwd``. ``mode="keep"`` holds the server's
-    received tensors from ``serve`` to ``serve_bwd`` (in :attr:`stash`); ``"resend"``
-    holds nothing and the home re-sends in ``dispatch_bwd``.
+    ``dispatch_bwd``, ``serve_bwd``, ``land_bwd``; any other order raises ``RuntimeError``
+    (a phase run twice or skipped would pair this rank's all-to-alls with the wrong ones of
+    its peers). ``mode="keep"`` holds the server's received tensors from ``serve`` to
+    ``serve_bwd`` (in :attr:`stash`); ``"resend"`` holds nothing and the home re-sends in
+    ``dispatch_bwd``.
     """
 
     meta: DispatchMeta
@@ -171,6 +184,16 @@ class Flight:
     _home: tuple = ()
     _msgs: tuple = ()
     _result: tuple = ()
+    _phase: str = "new"
+    """The last phase run."""
+
+    def _enter(self, phase: str) -> None:
+        if self._phase not in _AFTER[phase]:
+            raise RuntimeError(
+                f"Exchange.{phase}() after {self._phase!r}: the phases run dispatch -> serve -> land, then "
+                f"dispatch_bwd -> serve_bwd -> land_bwd, each once ({phase} may follow {' or '.join(_AFTER[phase])})"
+            )
+        self._phase = phase
 
     # ---- transport ---------------------------------------------------------------------------
 
@@ -215,6 +238,7 @@ class Flight:
     @record_function("distca::dispatch")
     def dispatch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Home: start sending the exchanged tasks' Q rows [T, Hq, D] and K/V rows [kv_rows, Hkv, D]."""
+        self._enter("dispatch")
         m = self.meta
         self._home = (q, k, v)
         if not m.moves_rows:  # everything in place: no message at all
@@ -227,6 +251,7 @@ class Flight:
     @record_function("distca::serve")
     def serve(self) -> None:
         """Server: the in-place tasks, then the received ones; start returning O and LSE."""
+        self._enter("serve")
         m = self.meta
         q, k, v = self._home
         if m.local_tasks:  # padding rows are gap rows of this call: out 0, lse -inf
@@ -254,6 +279,7 @@ class Flight:
     @record_function("distca::land")
     def land(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Home: wait for the returned rows; ``out`` [T, Hq, D] (q's dtype), ``lse`` [Hq, T] fp32."""
+        self._enter("land")
         m = self.meta
         out, lse = self._result
         self._result = ()
@@ -271,6 +297,7 @@ class Flight:
     @record_function("distca::dispatch_bwd")
     def dispatch_bwd(self, dout, q, k, v, out, lse) -> None:
         """Home: start sending what the servers' backward needs (see the module docstring)."""
+        self._enter("dispatch_bwd")
         m = self.meta
         self._home = (dout, q, k, v, out, lse)
         if not m.moves_rows:
@@ -286,6 +313,7 @@ class Flight:
     @record_function("distca::serve_bwd")
     def serve_bwd(self) -> None:
         """Server: the in-place backward, then the received tasks'; start returning dQ and dK/dV."""
+        self._enter("serve_bwd")
         m = self.meta
         dout, q, k, v, out, lse = self._home
         if m.local_tasks:
@@ -334,6 +362,7 @@ class Flight:
     @record_function("distca::land_bwd")
     def land_bwd(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Home: wait; ``dq`` [T, Hq, D], ``dk``, ``dv`` [kv_rows, Hkv, D], in the inputs' dtype."""
+        self._enter("land_bwd")
         m = self.meta
         dq, dk, dv = self._result
         if not m.moves_rows:

@@ -22,7 +22,7 @@ mirrored, and each backward exchange again overlaps the other nano-batch's
 compute. :func:`start` ... :func:`finish` on one nano-batch equal
 :func:`distca.core_attention` exactly (same kernels, same summation order).
 
-The phases are those of :class:`distca.exchange.Flight`, the one transport that
+The phases are those of :class:`distca.exchange.Exchange`, the one transport that
 :func:`distca.core_attention` runs back to back: ping-pong is the same code in a
 different order, so one nano-batch through ``start``/``serve``/``finish`` equals
 ``core_attention`` bit for bit. Every rank must call the phases of all nano-batches in
@@ -45,12 +45,11 @@ from dataclasses import dataclass
 
 import torch
 
-from distca import kernels
-from distca.api import (
-    DispatchPlan, _admit, _carried_output, _lookup_or_reject, _owned_dense, _reject, _resolve_backward_plan,
-)  # fmt: skip
+from distca import _admission, kernels
+from distca._handles import DispatchPlan
+from distca._ops import owned_dense
 from distca.cost import Mode
-from distca.exchange import Flight as _Exchange
+from distca.exchange import Exchange
 
 __all__ = ["Flight", "start", "serve", "finish"]
 
@@ -60,10 +59,10 @@ class Flight:
     """One nano-batch's core attention in progress; returned by :func:`start`, consumed by
     :func:`serve` then :func:`finish` (each exactly once, in that order)."""
 
-    exchange: _Exchange
+    exchange: Exchange
     plan: DispatchPlan
     """Kept alive until the flight's backward is done."""
-    exchange_bwd: _Exchange | None = None
+    exchange_bwd: Exchange | None = None
     """The backward's exchange when it runs on its own plan (``backward_plan``), else None."""
     backward_plan: DispatchPlan | None = None
     phase: str = "started"
@@ -80,7 +79,7 @@ class Flight:
         return self.exchange.meta
 
     @property
-    def bwd(self) -> _Exchange:
+    def bwd(self) -> Exchange:
         """The exchange the backward phases run."""
         return self.exchange_bwd if self.exchange_bwd is not None else self.exchange
 
@@ -117,7 +116,7 @@ def _start_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prev: torch.Ten
     chain's last token (orders the backward)."""
     f = _flight(key)
     f.exchange.dispatch(q, k, v)
-    f.plan._state.forward_calls += 1  # here, not in start(): a recompute replaying the saved op does not run this
+    f.plan.state.forward_calls += 1  # here, not in start(): a recompute replaying the saved op does not run this
     return q.new_empty(0)
 
 
@@ -134,7 +133,7 @@ def _finish_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Home: wait for the returned rows; fresh ``out`` [T, Hq, D], ``lse`` [Hq, T] fp32 and the next token."""
     out, lse = _flight(key).exchange.land()
-    return _owned_dense(out), _owned_dense(lse), prev.new_empty(0)
+    return owned_dense(out), owned_dense(lse), prev.new_empty(0)
 
 
 @_start_op.register_fake
@@ -165,7 +164,7 @@ def _start_bwd(ctx, _token_grad):
 def _serve_bwd(ctx, g):
     f = ctx.flight
     f.bwd.serve_bwd()
-    (f.backward_plan or f.plan)._state.backward_calls += 1
+    (f.backward_plan or f.plan).state.backward_calls += 1
     return g.new_zeros(0), None
 
 
@@ -220,21 +219,21 @@ def start(
     lets a rank with nothing to compute replay them (:func:`distca.serve_idle`).
     """
     if isinstance(plan, torch.Tensor):
-        plan = _lookup_or_reject(plan, None)
+        plan = _admission.lookup_or_reject(plan, None)
     if not isinstance(plan, DispatchPlan):
         msg = f"plan must be a DispatchPlan from distca.prepare (or its handle), got {type(plan).__name__}"
-        _reject(None, None, msg, TypeError)
+        _admission.reject(None, None, msg, TypeError)
     if after is not None and not isinstance(after, Flight):
         raise TypeError(f"after must be a distca.pingpong.Flight or None, got {type(after).__name__}")
-    _, bdp = _resolve_backward_plan(backward_plan, plan.handle, plan, None, mode)
+    bdp = _admission.resolve_backward_plan(backward_plan, plan, None, mode)
     grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v))
-    a = _admit(plan, q, k, v, mode, requires_grad=grad, backward=bdp, count=False)
+    a = _admission.admit(plan, q, k, v, mode, requires_grad=grad, backward=bdp, count=False)
     scale = a.q.shape[-1] ** -0.5 if softmax_scale is None or a.carried else softmax_scale
     dev = a.q.device
     be = kernels.select_backend(dev, backend)
-    flight = Flight(plan.flight(dev, scale, a.mode, be), plan)
+    flight = Flight(plan.exchange(dev, scale, a.mode, be), plan)
     if bdp is not None:
-        flight.exchange_bwd, flight.backward_plan = bdp.flight(dev, scale, a.mode, be), bdp
+        flight.exchange_bwd, flight.backward_plan = bdp.exchange(dev, scale, a.mode, be), bdp
     flight.key = next(_FLIGHT_IDS)
     _FLIGHTS[flight.key] = flight
     flight.chain = after.chain if after is not None else _Chain(a.q.new_empty(0))
@@ -267,5 +266,5 @@ def finish(flight: Flight) -> torch.Tensor:
     out, _, flight.chain.token = _finish_op(flight.chain.token, *flight.inputs, flight.key)
     flight.inputs = ()
     if flight.caller_q is not None:  # a carried call: zeros, its exchanges ran on placeholders
-        out, flight.caller_q = _carried_output(flight.caller_q, out), None
+        out, flight.caller_q = _admission.carried_output(flight.caller_q, out), None
     return out

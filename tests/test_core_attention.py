@@ -379,7 +379,7 @@ def _opcheck_worker(rank, world):
         g = torch.Generator().manual_seed(T)
         q, k, v = (torch.randn(T, h, 8, generator=g) for h in (hq, hkv, hkv))
         state = torch.zeros(2, dtype=torch.int64)  # (keep-mode stash id, carried)
-        args = (state, q, k, v, dp.handle, None, 0.3, mode, "cpu", True, "")
+        args = (state, q, k, v, dp.handle, None, 0.3, mode, "cpu", True, "", "")
         torch.library.opcheck(torch.ops.distca.core_attention_fwd.default, args)  # raises on a bad fake/schema
         out, lse = torch.ops.distca.core_attention_fwd(*args)
         # The real strides are the fake's (row-major), and the outputs share no storage.
@@ -401,7 +401,7 @@ def _lifetime_worker(rank, world):
     import gc
 
     import distca
-    from distca import api
+    from distca import _handles
 
     T, cu = 32, [0, 40, 64]
     g = torch.Generator().manual_seed(0)
@@ -410,18 +410,18 @@ def _lifetime_worker(rank, world):
     handle = dp.handle
     with torch.no_grad():
         distca.core_attention(q, k, v, cu, plan=dp, mode="keep")
-    no_grad = len(dp._stash)
+    no_grad = len(dp.stash)
     qq = q.clone().requires_grad_()
     out = distca.core_attention(qq, k, v, cu, plan=dp, mode="keep")
-    with_grad = len(dp._stash)
+    with_grad = len(dp.stash)
     out.sum().backward()
-    after_bwd = len(dp._stash)
+    after_bwd = len(dp.stash)
     key = int(handle)
     del dp, out
     gc.collect()
-    freed = key not in api._LIVE
+    freed = not _handles.is_live(key)
     try:
-        torch.ops.distca.core_attention_fwd(torch.zeros(2, dtype=torch.int64), q, k, v, handle, None, 0.3, "resend", "cpu", False, "")
+        torch.ops.distca.core_attention_fwd(torch.zeros(2, dtype=torch.int64), q, k, v, handle, None, 0.3, "resend", "cpu", False, "", "")
         err = ""
     except RuntimeError as e:
         err = str(e)
@@ -505,7 +505,8 @@ def test_padding_in_one_process():
     """The op (custom ops + autograd) on a 1-rank group, where no row moves (no collective): padding
     rows between real documents are gap rows of the in-place call; a layout of padding only runs
     no kernel at all. Both give out 0 and gradients 0 for padding rows, exactly."""
-    from distca import api, kernels
+    from distca import _handles, kernels
+    from distca._ops import CoreAttentionFn
     from distca.dispatch import build_dispatch
 
     T, hq, hkv, d = 200, 4, 2, 16
@@ -519,9 +520,9 @@ def test_padding_in_one_process():
         assert meta.local_tasks == lay.num_docs - len(pad)
         ref = _reference(cu, q, k, v, dout, pad)
         for mode in ("resend", "keep"):  # a plan per mode: its first call fixes the mode of all its calls
-            dp = api.DispatchPlan(p, meta, None, torch.tensor([next(api._IDS)]), digest=1)
-            api._LIVE[int(dp.handle)] = dp
+            dp = _handles.register(_handles.DispatchPlan(p, meta, None, _handles.new_handle(), digest=1))
             ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
-            out = api._CoreAttentionFn.apply(ql, kl, vl, dp.handle, None, (dp, None), d**-0.5, mode, kernels.select_backend("cpu"), True, "")
+            args = (dp.handle, None, (dp, None), d**-0.5, mode, kernels.select_backend("cpu"), True, "", "")
+            out = CoreAttentionFn.apply(ql, kl, vl, *args)
             (out * dout).sum().backward()
             _check_padded((out.detach(), ql.grad, kl.grad, vl.grad), ref, torch.from_numpy(lay.padding_mask(0)), 1e-5, f"{cu}, {mode}")

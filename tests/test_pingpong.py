@@ -17,7 +17,7 @@ def _nano_inputs(world, T, hq, hkv, d, seed):
 def _pingpong_worker(rank, world, mode, layouts, T, dtype):
     import distca
     from distca import pingpong
-    from distca.exchange import Flight
+    from distca.exchange import Exchange as Flight
 
     events = []
     for name in ("dispatch", "serve", "land", "dispatch_bwd", "serve_bwd", "land_bwd"):
