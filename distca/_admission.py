@@ -30,13 +30,6 @@ from distca._handles import CallSpec, DispatchPlan, lookup
 
 logger = logging.getLogger("distca")
 
-CARRIED = (
-    "Its calls ran with zero placeholder rows so that no rank waited: the step's results are not "
-    "valid, discard it (do not apply its gradients)."
-)
-"""How a peer's message ends when the error it raises was a carried call's."""
-
-
 # ---- errors not raised yet ---------------------------------------------------------------------
 
 
@@ -100,8 +93,7 @@ def agree(pg: dist.ProcessGroup, err: str | None, fields: dict[str, int | str], 
     if pending:
         earlier = _summary(pending)
         err = earlier if err is None else f"{earlier}; and now: {err}"
-        consequence = CARRIED
-    mesh.agree(pg, err, fields, consequence or "Nothing was sent.")
+    mesh.agree(pg, err, fields, consequence or "Nothing was sent.", carried=bool(pending))
 
 
 # ---- the agreement's record -------------------------------------------------------------------
@@ -462,4 +454,4 @@ def check_step(plans: list[DispatchPlan]) -> None:
         "backward calls": sum(c[2] for c in calls),
         "calls per plan": hashlib.blake2b(repr(calls).encode(), digest_size=8).hexdigest()[:15],
     }
-    agree(pg, None, record, CARRIED)
+    agree(pg, None, record, mesh.CARRIED)

@@ -21,6 +21,12 @@ __all__ = ["resolve_group", "agree"]
 
 CA_DIM = "ca"
 
+CARRIED = (
+    "Its calls ran with zero placeholder rows so that no rank waited: the step's results are not "
+    "valid, discard it (do not apply its gradients)."
+)
+"""How a message ends when the error was a carried call's (one that already ran on placeholders)."""
+
 
 def resolve_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup:
     """The process group of the CA dimension.
@@ -73,11 +79,11 @@ _TEXT = 320
 """Bytes of a rank's error message in its record (utf-8, truncated)."""
 
 
-def _record(local_error: str | None, fields: dict[str, int | str]) -> bytes:
+def _record(local_error: str | None, fields: dict[str, int | str], carried: bool = False) -> bytes:
     if len(fields) > _FIELDS:
         raise ValueError(f"an agreement carries at most {_FIELDS} fields, got {len(fields)}")
     out = bytearray(8 + _SLOT * _FIELDS + _TEXT)
-    out[0] = 1 if local_error else 0
+    out[0] = (2 if carried else 1) if local_error else 0
     for i, v in enumerate(fields.values()):
         slot = 8 + _SLOT * i
         if isinstance(v, str):
@@ -92,7 +98,7 @@ def _record(local_error: str | None, fields: dict[str, int | str]) -> bytes:
     return bytes(out)
 
 
-def _decode(rec: bytes, names: list[str]) -> tuple[bool, dict[str, int | str], str]:
+def _decode(rec: bytes, names: list[str]) -> tuple[int, dict[str, int | str], str]:
     vals: dict[str, int | str] = {}
     for i, name in enumerate(names):
         slot = 8 + _SLOT * i
@@ -101,7 +107,7 @@ def _decode(rec: bytes, names: list[str]) -> tuple[bool, dict[str, int | str], s
         else:
             vals[name] = int.from_bytes(rec[slot + 8 : slot + 16], "little", signed=True)
     text = rec[8 + _SLOT * _FIELDS :].rstrip(b"\0").decode(errors="replace")
-    return bool(rec[0]), vals, text
+    return rec[0], vals, text
 
 
 def _ranks(rs: list[int]) -> str:
@@ -114,6 +120,7 @@ def agree(
     local_error: str | None,
     fields: dict[str, int | str],
     consequence: str = "Nothing was sent.",
+    carried: bool = False,
 ) -> None:
     """Raise ``ValueError`` on every rank of ``pg`` if any rank has ``local_error`` or any of
     ``fields`` differs across the ranks.
@@ -122,14 +129,15 @@ def agree(
     (named ints or short strings; every rank passes the same names in the same order) and the
     rank's error message, so every rank can say which rank failed and why, and which values
     differ on which ranks. A rank with an error still takes part, so its peers raise too.
-    ``consequence`` ends the peers' message (what the failed call left behind).
+    ``consequence`` ends the peers' message (what the failed call left behind); ``carried``: this
+    rank's error is a carried call's, so every rank's message ends with :data:`CARRIED` instead.
     """
     if pg is None or dist.get_world_size(pg) == 1:  # no group (a process-local plan) or a group of 1
         if local_error:
             raise ValueError(local_error)
         return
     R, me = dist.get_world_size(pg), dist.get_rank(pg)
-    rec = _record(local_error, fields)
+    rec = _record(local_error, fields, carried)
     dev = _collective_device(pg)
     send = torch.frombuffer(bytearray(rec * R), dtype=torch.uint8).to(dev)
     recv = torch.empty_like(send)
@@ -142,6 +150,8 @@ def agree(
     failed = [r for r in range(R) if got[r][0]]
     if failed:
         r = failed[0]
+        if any(got[f][0] == 2 for f in failed):
+            consequence = CARRIED
         more = f" (and {_ranks(failed[1:])})" if len(failed) > 1 else ""
         raise ValueError(
             f"another rank of the CA group (size {R}) rejected its input: rank {r}{more} says: {got[r][2]!r}. {consequence}"
