@@ -23,7 +23,7 @@ Rows of padding documents (``Layout.padding``) are served by nobody: no task rea
 and they are never sent. In the in-place call they are gap rows (queries without keys,
 keys without queries), which give out 0, lse -inf and a gradient of 0; a rank with padding
 rows but no in-place task gets those values without a kernel call
-(``DispatchMeta.padding_rows``, :class:`distca.exchange.Flight`).
+(``DispatchMeta.padding_rows``, :class:`distca.exchange.Exchange`).
 
 Test hook: ``build_dispatch(plan, rank, _exchange_local=True)`` runs no task in place. A
 server's own tasks travel the message path too, sent to itself, and ``local_only`` is False, so

@@ -35,8 +35,8 @@ made of its probe and its two kernel calls):
 *usable* when its probe imports what it needs without error (a missing, namespace-only or
 ABI-broken package just makes it unusable), and a skipped one is logged once, with its reason, on
 the ``distca`` logger. The faster Hopper/Blackwell backends are opt-in until a GPU run has checked
-them. The functions here trust their inputs; :func:`distca.ops.varlen_attn` is the validated,
-differentiable, ``torch.compile``-able entry point.
+them. The functions here trust their inputs: the exchange (:mod:`distca.exchange`) calls them
+with what the plan's metadata guarantees.
 """
 
 from __future__ import annotations
