@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torchtitan.models.llama3.model.model import apply_rotary_emb
 
 import distca
+from distca import pingpong
 from torchtitan_ext.clock import mark
 from torchtitan_ext.config import CoreAttention
 from torchtitan_ext.planning import StepPlan, interleaves
@@ -104,8 +106,6 @@ def _qkv(attn: nn.Module, h: torch.Tensor, freqs_cis: torch.Tensor, positions: t
     The same ops as torchtitan 0.2.2's ``Attention.forward`` before ``inner_attention`` (RoPE by
     in-document ``positions``); -1 heads so tensor-parallel shards also fit.
     """
-    from torchtitan.models.llama3.model.model import apply_rotary_emb
-
     bs, t, _ = h.shape
     if bs != 1:
         raise ValueError(
@@ -156,8 +156,6 @@ def _nano_block_forward(block, x, freqs_cis, attention_masks=None, positions=Non
     Without it, or when neither nano-batch moves a row, the nano-batches run one after the
     other (same math, nothing to hide). Backward mirrors the forward (see ``distca.pingpong``).
     """
-    from distca import pingpong
-
     step: StepPlan = attention_masks
     if positions is None:
         raise ValueError("nano-batches need in-document positions (the torchtitan_ext data loader yields them)")
