@@ -44,7 +44,7 @@ import torch
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _sorted_batch_p2p, _wait_batch_p2p
 
 import distca
-from torchtitan_ext.planning import StepPlan, interleaves
+from torchtitan_ext.planning import CAPlanner, StepPlan, interleaves
 # The tick arithmetic lives in torchtitan_ext.ticks (the planner reads it too); named here as well,
 # where the schedules that run it are.
 from torchtitan_ext.ticks import SubTick, microbatch_ticks, stage_ticks, tick_assignments
@@ -156,8 +156,8 @@ def run_microbatches(
 
 def run_ca_step(
     schedule: PipelineScheduleSingle,
-    planner: Any,
-    step: Any,
+    planner: CAPlanner,
+    step: StepPlan,
     inputs: torch.Tensor,
     positions: torch.Tensor,
     labels: torch.Tensor,
@@ -169,8 +169,7 @@ def run_ca_step(
     forward_only: bool = False,
 ) -> list | None:
     """One step of CA micro-batches (rows of ``inputs`` [M, T]) through ``schedule``: each gets its
-    positions and its part of ``step`` (a ``torchtitan_ext.planning.StepPlan``, from ``planner``'s
-    ``microbatch_plans``); the losses are ``sum * scale``. Returns the micro-batch losses on the
+    positions and its part of ``step``, the item's plans (which part: ``planner.microbatch_plans``); the losses are ``sum * scale``. Returns the micro-batch losses on the
     last stage, else None. Used by the trainer and, ``forward_only``, by the validator."""
     M = inputs.shape[0]
     arg_mbs = [(inputs[i : i + 1],) for i in range(M)] if first else [()] * M
@@ -186,7 +185,7 @@ def run_ca_step(
     return losses
 
 
-def idle_server(step: Any, planner: Any, layers: int, device: torch.device) -> Callable[[str, int], None]:
+def idle_server(step: StepPlan, planner: CAPlanner, layers: int, device: torch.device) -> Callable[[str, int], None]:
     """What a stage runs in a sub-tick without a micro-batch: ``distca.serve_idle`` once per layer
     (``layers``: the stage's) on the sub-tick's plans in ``step`` (``TickGPipe``'s backward
     sub-ticks reuse the forward ones'), in the order the active stages' blocks run their calls."""
