@@ -73,7 +73,6 @@ def _worker(a: argparse.Namespace) -> None:
     from torchtitan.train import main
 
     import distca.kernels as K
-    from torchtitan_ext import pipeline
     from torchtitan_ext import train as tt
 
     rank = int(os.environ["RANK"])
@@ -119,7 +118,7 @@ def _worker(a: argparse.Namespace) -> None:
         return ParallelAwareDataloader(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=None)
 
     spec = dataclasses.replace(ts.get_train_spec("llama3"), build_dataloader_fn=build_dataloader,
-                               parallelize_fn=tt.parallelize, pipelining_fn=pipeline.pipelining_fn)  # fmt: skip
+                               parallelize_fn=tt.parallelize, pipelining_fn=tt.pipelining_fn)  # fmt: skip
     ts.register_train_spec(tt.TRAIN_SPEC, spec)
 
     attn, wait = [0.0], [0.0]
@@ -252,7 +251,7 @@ def sub_ticks(config: str, M: int, stage: int) -> list[tuple[str, int]]:
     """(kind, position) of each of ``stage``'s sub-ticks in order, idle ones included: "fwd"/"bwd"
     and the sub-tick's position in the step (pure). TickGPipe: forward sub-ticks 0 .. n - 1, then
     backward n .. 2n - 1; Tick1F1B: tick k's forward 2k, backward 2k + 1."""
-    from torchtitan_ext.pipeline import stage_ticks
+    from torchtitan_ext.ticks import stage_ticks
 
     sched = CONFIGS[config]["schedule"]
     if sched == "GPipe":

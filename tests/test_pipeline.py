@@ -444,7 +444,7 @@ def test_unequal_stages_are_rejected_before_the_model_is_split():
     from types import SimpleNamespace as NS
 
     from torchtitan_ext.config import CoreAttention
-    from torchtitan_ext.pipeline import pipelining_fn
+    from torchtitan_ext.train import pipelining_fn
 
     par = NS(pipeline_parallel_schedule="TickGPipe", pipeline_parallel_microbatch_size=1, module_fqns_per_model_part=None,
              pipeline_parallel_degree=2, pipeline_parallel_first_stage_less_layers=3,

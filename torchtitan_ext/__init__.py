@@ -1,16 +1,28 @@
 """torchtitan 0.2.2 extension: core attention disaggregation (distca) in torchtitan's llama3.
 
 Modules (imported on demand; this package imports nothing at import time, because
-``_compat.apply()`` must run before torchtitan is first imported):
+``_compat.apply()`` must run before torchtitan is first imported). Imports between them go one
+way only, leaves first.
+
+Version-free (no torchtitan import at module level; reusable by another torchtitan's adapter):
+
+- ``ticks``: the pipeline tick arithmetic (which micro-batch each stage holds per sub-tick);
+- ``clock``: the clock marks around core attention calls;
+- ``report``: the closing summary and the run's plot;
+- ``config``: the ``[core_attention]`` job-config section (``custom_config_module``);
+- ``data``: CA-group-aware packed data loading and the shipped tokenizer;
+- ``planning``: the step's plans (``CAPlanner``, ``StepPlan``), made in the planning thread;
+- ``pipeline``: the tick-synchronous pipeline schedules, on torch's pipelining.
+
+Written against torchtitan 0.2.2:
 
 - ``_compat``: the CPU start-up patches for torchtitan 0.2.2 (no CUDA, no triton);
-- ``config``: the ``[core_attention]`` job-config section (``custom_config_module``);
+- ``ca_mesh``: the ``"ca"`` mesh dimension (CA groups), carved from torchtitan's world mesh;
+- ``layers``: what a converted llama3 layer runs (``CoreAttentionModule``, the nano-batch block);
 - ``converter``: the ``"core_attention"`` model converter (``custom_import``);
-- ``planning``: the step's plans (``CAPlanner``, ``StepPlan``), made in the planning thread;
-- ``ca_mesh``: the ``"ca"`` mesh dimension (CA groups);
-- ``layers``: what a converted layer runs (``CoreAttentionModule``, the nano-batch block);
-- ``data``: CA-group-aware packed data loading and the shipped tokenizer;
-- ``train``: the launcher, ``torchrun ... -m torchtitan_ext.train --job.config_file ...``.
+- ``validate``: torchtitan's validator on the CA loader;
+- ``train``: the launcher and its TrainSpec hooks,
+  ``torchrun ... -m torchtitan_ext.train --job.config_file ...``.
 
-See docs/torchtitan.md.
+See docs/torchtitan.md; tests/test_titan_imports.py checks the one-way imports and the boundary.
 """

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal, get_args
 
 from distca.planner import POLICIES
+from torchtitan_ext.ticks import TICK_SCHEDULES
 
 __all__ = [
     "CoreAttention", "JobConfig", "TICK_SCHEDULES", "nano_batches", "saves_core_attention", "validate", "validate_job",
@@ -155,11 +156,6 @@ def nano_batches(cfg: CoreAttention) -> int:
         )
     return n
 
-
-TICK_SCHEDULES = ("Tick1F1B", "TickGPipe")
-"""``[parallelism] pipeline_parallel_schedule`` values of the tick-synchronous pipeline schedules
-(:mod:`torchtitan_ext.pipeline`): every stage runs the same phase in each sub-tick, so one CA
-group can span the pipeline stages. ``"Tick1F1B"`` (the paper's) is the one to use."""
 
 _SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B", *TICK_SCHEDULES)
 

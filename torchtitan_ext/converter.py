@@ -38,6 +38,7 @@ import types
 
 import torch
 from torch import nn
+from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
 
 from distca.cost import ModelShape, load_cost_model
 from torchtitan_ext.ca_mesh import _dp_size, build_ca_mesh
@@ -165,8 +166,6 @@ def planner_of(model_parts: list[nn.Module]) -> CAPlanner | None:
 
 
 def _register() -> None:
-    from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
-
     if "core_attention" not in _registry_model_converter_cls:
         register_model_converter(CoreAttentionConverter, "core_attention")
 

@@ -38,19 +38,19 @@ import math
 import os
 import re
 import sysconfig
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Protocol
+from typing import Any, Iterator, NamedTuple, Protocol
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
+from distca import Layout, place, split_nano_batches
+from distca.cost import MODEL_SHAPES, CostModel, ModelShape, load_cost_model
 from distca.doclens import load_doclens
-
-if TYPE_CHECKING:
-    from distca.cost import CostModel, ModelShape
+from distca.planner.placement import slot_imbalance
 
 __all__ = [
     # constants
@@ -553,9 +553,6 @@ def place_windows(
         (Imbalance, not the slowest slot alone: the two orders cut documents at different places,
         so their total modelled work differs slightly.)
     """
-    from distca import Layout, place
-    from distca.planner.placement import slot_imbalance
-
     for arg, v in (("ranks", ranks), ("tokens_per_rank", tokens_per_rank)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{arg} must be an integer >= 1, got {v!r}")
@@ -594,8 +591,6 @@ def place_windows(
 
 def _placement_model(cost_model: "CostModel | str | None", shape: "ModelShape | str | None") -> "tuple[CostModel, ModelShape]":
     """(cost model rescaled to the shape, shape) as ``distca.place`` and ``distca.plan`` resolve them."""
-    from distca.cost import MODEL_SHAPES, CostModel, ModelShape, load_cost_model
-
     if shape is None:
         shape = "llama3-8b"
     if isinstance(shape, str):
@@ -756,8 +751,6 @@ def nano_rank_batch(window: GroupWindow, ca_rank: int, tokens_per_rank: int) -> 
     ``cu_seqlens`` and ``cu_seqlens_1`` (each nano-batch's layout) and ``context_1`` (int64
     [k, 3], ``Layout.context`` of nano-batch 1: the document it continues, if any).
     """
-    from distca import Layout, split_nano_batches
-
     T = tokens_per_rank
     R = window.tokens.numel() // T
     if not 0 <= ca_rank < R or R * T != window.tokens.numel() or T % 2:
@@ -777,6 +770,8 @@ def nano_rank_batch(window: GroupWindow, ca_rank: int, tokens_per_rank: int) -> 
 
 def load_tokenizer(path: str | Path = TOKENIZER_PATH):
     """torchtitan's ``HuggingFaceTokenizer`` on the shipped tokenizer (imports torchtitan)."""
+    # Imported here, not at module level: this module is version-free (no torchtitan at import), and
+    # the torchtitan launcher must patch torchtitan before its first import (torchtitan_ext._compat).
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     return HuggingFaceTokenizer(tokenizer_path=str(path))
@@ -830,8 +825,7 @@ def build_ca_dataloader(
         cost_model, shape: the planner's time model for ``"balance"`` (``CAPlanner.cost_model``
             and ``.shape``; default ``"cpu"`` and ``"llama3-8b"``).
     """
-    from dataclasses import asdict
-
+    # torchtitan's loader class is imported here, not at module level: see load_tokenizer.
     from torchtitan.components.dataloader import ParallelAwareDataloader
 
     for arg, v in (("dp_world", dp_world), ("ca_degree", ca_degree), ("seq_len", seq_len)):

@@ -15,35 +15,20 @@ passes them through unchanged, so no model code is wrapped for RoPE.
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
+from torchtitan.models.llama3.model.model import apply_rotary_emb
 
 import distca
+from distca import pingpong
+from torchtitan_ext.clock import mark
 from torchtitan_ext.config import CoreAttention
-from torchtitan_ext.planning import StepPlan
+from torchtitan_ext.planning import StepPlan, interleaves
 
 __all__ = ["CoreAttentionModule"]
 
 
-# ---- timing (eager only) -------------------------------------------------------------------
-
-
-def _now(device: torch.device):
-    """A clock mark: host time on CPU, a recorded CUDA event on GPU (read at step end)."""
-    if device.type == "cuda":
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-    return time.perf_counter()
-
-
-def _elapsed(a, b) -> float:
-    if isinstance(a, float):
-        return b - a
-    b.synchronize()
-    return a.elapsed_time(b) / 1e3
+# ---- timing (eager only; the clock marks: torchtitan_ext.clock) ---------------------------------
 
 
 class _BackwardEnd(torch.autograd.Function):
@@ -56,7 +41,7 @@ class _BackwardEnd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        ctx.box["end"] = _now(dq.device)
+        ctx.box["end"] = mark(dq.device)
         ctx.box["step"].attn_events.append(("bwd", ctx.box["start"], ctx.box["end"]))
         return None, dq, dk, dv
 
@@ -71,7 +56,7 @@ class _BackwardStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        ctx.box["start"] = _now(dout.device)
+        ctx.box["start"] = mark(dout.device)
         return None, dout
 
 
@@ -104,13 +89,13 @@ class CoreAttentionModule(nn.Module):
         if timed:
             box = {"step": step}
             q, k, v = _BackwardEnd.apply(box, q, k, v)
-            t0 = _now(q.device)
+            t0 = mark(q.device)
         out = distca.core_attention(
             q, k, v, None, plan=step.plans[0], softmax_scale=scale, mode=step.mode, backend=self.backend,
             backward_plan=step.backward_plans[0] if step.backward_plans else None,
         )  # [T, Hq, D]
         if timed:
-            step.attn_events.append(("fwd", t0, _now(q.device)))
+            step.attn_events.append(("fwd", t0, mark(q.device)))
             out = _BackwardStart.apply(box, out)
         return out
 
@@ -121,8 +106,6 @@ def _qkv(attn: nn.Module, h: torch.Tensor, freqs_cis: torch.Tensor, positions: t
     The same ops as torchtitan 0.2.2's ``Attention.forward`` before ``inner_attention`` (RoPE by
     in-document ``positions``); -1 heads so tensor-parallel shards also fit.
     """
-    from torchtitan.models.llama3.model.model import apply_rotary_emb
-
     bs, t, _ = h.shape
     if bs != 1:
         raise ValueError(
@@ -173,8 +156,6 @@ def _nano_block_forward(block, x, freqs_cis, attention_masks=None, positions=Non
     Without it, or when neither nano-batch moves a row, the nano-batches run one after the
     other (same math, nothing to hide). Backward mirrors the forward (see ``distca.pingpong``).
     """
-    from distca import pingpong
-
     step: StepPlan = attention_masks
     if positions is None:
         raise ValueError("nano-batches need in-document positions (the torchtitan_ext data loader yields them)")
@@ -215,15 +196,3 @@ def _nano_block_forward(block, x, freqs_cis, attention_masks=None, positions=Non
         y1 = post(block, xs[1], pingpong.finish(f1))
     return torch.cat([y0, y1], dim=1)
 
-
-def interleaves(plans: "tuple[distca.DispatchPlan, ...]", pingpong: bool, backward_plans: bool) -> bool:
-    """Whether a block runs two nano-batches on ``plans`` interleaved (ping-pong), else one after the other.
-
-    Interleave only when there is communication to hide: with every row home (the planner kept
-    both nano-batches local) the sequential order is the same work with a smaller working set.
-    ``local_only`` is a property of the whole group, so every rank decides alike; but not with
-    separate backward plans (Tick1F1B): a backward sub-tick pairs micro-batches whose forwards ran
-    on different plans, and their backward orders must match, so ``pingpong`` alone decides."""
-    if backward_plans:
-        return pingpong
-    return pingpong and not all(p.meta is not None and p.meta.local_only for p in plans)

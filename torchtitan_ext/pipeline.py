@@ -28,87 +28,31 @@ same phase in each *sub-tick*, so each sub-tick's core attention calls pair up a
 Without CAD across stages (``across_stages = false``, or CAD off) both are plain tick-ordered
 schedules; torch's own ``GPipe`` and ``1F1B`` work too.
 
-:func:`pipelining_fn` is the TrainSpec hook: torchtitan's ``pipeline_llm`` splits the model and
-builds the stages, then the schedule is replaced. :func:`run_microbatches` runs one batch of
+The sub-tick order is :mod:`torchtitan_ext.ticks`' (shared with the planner). The TrainSpec hook
+that puts these schedules in torchtitan 0.2.2's pipeline is :func:`torchtitan_ext.train.pipelining_fn`:
+torchtitan's ``pipeline_llm`` splits the model and builds the stages, then the schedule is replaced.
+This module imports torch's pipelining, not torchtitan. :func:`run_microbatches` runs one batch of
 micro-batches with their own keyword arguments (positions, plans), which torchtitan's
 ``schedule.step`` cannot pass per micro-batch.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _sorted_batch_p2p, _wait_batch_p2p
 
-from torchtitan_ext.config import TICK_SCHEDULES
+import distca
+from torchtitan_ext.planning import CAPlanner, StepPlan, interleaves
+# The tick arithmetic lives in torchtitan_ext.ticks (the planner reads it too); named here as well,
+# where the schedules that run it are.
+from torchtitan_ext.ticks import SubTick, microbatch_ticks, stage_ticks, tick_assignments
 
 __all__ = [
-    "TickSchedule", "Tick1F1B", "TickGPipe", "SubTick", "idle_server", "microbatch_ticks", "pipelining_fn",
-    "run_ca_step", "run_microbatches", "stage_layers", "stage_ticks", "tick_assignments",
+    "TickSchedule", "Tick1F1B", "TickGPipe", "SubTick", "idle_server", "microbatch_ticks", "run_ca_step",
+    "run_microbatches", "scaled_loss", "stage_layers", "stage_ticks", "tick_assignments",
 ]
-
-logger = logging.getLogger(__name__)
-
-Kind = Literal["F", "B"]
-
-
-@dataclasses.dataclass(frozen=True)
-class SubTick:
-    """One sub-tick of one stage: ``kind`` "F" (forward) or "B" (backward), the index of the plan
-    it runs on among the step's ``kind`` plans (for ``TickGPipe``'s backward: the forward plan it
-    mirrors), and the micro-batch (None: idle, the stage serves)."""
-
-    kind: Kind
-    plan: int
-    microbatch: int | None
-
-
-def tick_assignments(schedule: str, microbatches: int, stages: int) -> tuple[list[list[int | None]], list[list[int | None]]]:
-    """The micro-batch of every stage in each forward sub-tick and in each backward sub-tick that
-    has a plan of its own (None: idle); ``TickGPipe``'s backward reuses the forward plans: [].
-
-    Example:
-        >>> tick_assignments("Tick1F1B", 3, 2)
-        ([[0, None], [1, 0], [2, 1], [None, 2]], [[None, None], [None, 0], [0, 1], [1, 2]])
-    """
-    M, P = microbatches, stages
-
-    def at(x: int) -> int | None:
-        return x if 0 <= x < M else None
-
-    if schedule == "TickGPipe":
-        return [[at(t - s) for s in range(P)] for t in range(M + P - 1)], []
-    if schedule == "Tick1F1B":
-        n = M + 2 * P - 2
-        return [[at(k - s) for s in range(P)] for k in range(n)], [[at(k - 2 * P + 2 + s) for s in range(P)] for k in range(n)]
-    raise ValueError(f"schedule must be one of {list(TICK_SCHEDULES)}, got {schedule!r}")
-
-
-def stage_ticks(schedule: str, microbatches: int, stages: int, stage: int) -> list[SubTick]:
-    """Stage ``stage``'s sub-ticks in order (see the module docstring).
-
-    Example:
-        >>> [(t.kind, t.plan, t.microbatch) for t in stage_ticks("Tick1F1B", 2, 2, 1)]
-        [('F', 0, None), ('B', 0, None), ('F', 1, 0), ('B', 1, 0), ('F', 2, 1), ('B', 2, 1)]
-    """
-    fwd, bwd = tick_assignments(schedule, microbatches, stages)
-    if schedule == "TickGPipe":
-        n = len(fwd)
-        return [SubTick("F", t, fwd[t][stage]) for t in range(n)] + [
-            SubTick("B", n - 1 - u, fwd[n - 1 - u][stage]) for u in range(n)
-        ]  # fmt: skip
-    return [st for k in range(len(fwd)) for st in (SubTick("F", k, fwd[k][stage]), SubTick("B", k, bwd[k][stage]))]
-
-
-def microbatch_ticks(schedule: str, stages: int, stage: int, microbatch: int) -> tuple[int, int | None]:
-    """(forward plan, backward plan or None: the forward's) of ``microbatch`` on ``stage``."""
-    if schedule == "Tick1F1B":
-        return microbatch + stage, microbatch + 2 * stages - 2 - stage
-    return microbatch + stage, None
-
 
 class TickSchedule(PipelineScheduleSingle):
     """A tick-synchronous single-stage schedule (module docstring); subclasses name the order.
@@ -212,8 +156,8 @@ def run_microbatches(
 
 def run_ca_step(
     schedule: PipelineScheduleSingle,
-    planner: Any,
-    step: Any,
+    planner: CAPlanner,
+    step: StepPlan,
     inputs: torch.Tensor,
     positions: torch.Tensor,
     labels: torch.Tensor,
@@ -225,11 +169,8 @@ def run_ca_step(
     forward_only: bool = False,
 ) -> list | None:
     """One step of CA micro-batches (rows of ``inputs`` [M, T]) through ``schedule``: each gets its
-    positions and its part of ``step`` (a ``torchtitan_ext.planning.StepPlan``, from ``planner``'s
-    ``microbatch_plans``); the losses are ``sum * scale``. Returns the micro-batch losses on the
+    positions and its part of ``step``, the item's plans (which part: ``planner.microbatch_plans``); the losses are ``sum * scale``. Returns the micro-batch losses on the
     last stage, else None. Used by the trainer and, ``forward_only``, by the validator."""
-    from torchtitan_ext.planning import StepPlan
-
     M = inputs.shape[0]
     arg_mbs = [(inputs[i : i + 1],) for i in range(M)] if first else [()] * M
     kwarg_mbs = [
@@ -244,13 +185,10 @@ def run_ca_step(
     return losses
 
 
-def idle_server(step: Any, planner: Any, layers: int, device: torch.device) -> Callable[[str, int], None]:
+def idle_server(step: StepPlan, planner: CAPlanner, layers: int, device: torch.device) -> Callable[[str, int], None]:
     """What a stage runs in a sub-tick without a micro-batch: ``distca.serve_idle`` once per layer
     (``layers``: the stage's) on the sub-tick's plans in ``step`` (``TickGPipe``'s backward
     sub-ticks reuse the forward ones'), in the order the active stages' blocks run their calls."""
-    import distca
-    from torchtitan_ext.layers import interleaves
-
     backend = None if planner.cfg.backend == "auto" else planner.cfg.backend
     gpipe = planner.schedule == "TickGPipe"
 
@@ -279,52 +217,3 @@ def stage_layers(model_part: torch.nn.Module) -> int:
     layers = getattr(model_part, "layers", None)
     return len(layers) if layers is not None else 0
 
-
-def pipelining_fn(model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn):
-    """TrainSpec ``pipelining_fn``: torchtitan's ``pipeline_llm``, with ``"Tick1F1B"`` and ``"TickGPipe"``
-    resolved here.
-
-    The micro-batch loss is :func:`scaled_loss` (the trainer passes ``scale``). Raises on every
-    rank before any collective when the stages would hold unequal numbers of layers and a CA
-    group spans them (ticks pair the k-th core attention call of every stage).
-    """
-    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part, pipeline_llm
-
-    par = job_config.parallelism
-    name = par.pipeline_parallel_schedule
-    cfg = getattr(job_config, "core_attention", None)
-    across = cfg is not None and cfg.enable and cfg.across_stages
-    if par.pipeline_parallel_microbatch_size != 1:
-        raise ValueError(
-            f"parallelism.pipeline_parallel_microbatch_size={par.pipeline_parallel_microbatch_size} must be 1 with "
-            "the CA data loader: a micro-batch is one row of seq_len tokens of its CA group's window"
-        )
-    fqns = par.module_fqns_per_model_part or generate_llm_fqn_per_model_part(
-        par.pipeline_parallel_degree, model_args.n_layers,
-        par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers,
-    )  # fmt: skip
-    per_stage = [sum(1 for f in stage if f.startswith("layers.")) for stage in fqns]
-    if across and len(set(per_stage)) != 1:
-        raise ValueError(
-            f"core_attention.across_stages=true needs equal transformer layers per pipeline stage, got {per_stage} "
-            f"(model n_layers={model_args.n_layers}, pipeline_parallel_first_stage_less_layers="
-            f"{par.pipeline_parallel_first_stage_less_layers}, pipeline_parallel_last_stage_less_layers="
-            f"{par.pipeline_parallel_last_stage_less_layers}); set those two to 0 or choose n_layers divisible by "
-            "pipeline_parallel_degree, or set parallelism.module_fqns_per_model_part"
-        )
-    tick = name in TICK_SCHEDULES
-    if tick:  # torchtitan resolves schedule names through torch; split with GPipe's shape, then replace
-        job_config = dataclasses.replace(job_config, parallelism=dataclasses.replace(
-            par, pipeline_parallel_schedule="GPipe", module_fqns_per_model_part=fqns))  # fmt: skip
-    schedule, parts, first, last = pipeline_llm(
-        model, parallel_dims, job_config, device, model_args, parallelize_fn, scaled_loss(loss_fn)
-    )
-    if tick:
-        cls = Tick1F1B if name == "Tick1F1B" else TickGPipe
-        schedule = cls(schedule._stage, n_microbatches=schedule._n_microbatches,
-                       loss_fn=schedule._loss_fn, scale_grads=False)  # fmt: skip
-        logger.info(
-            "pipeline schedule %s (torchtitan_ext.pipeline): %d micro-batches, %d stages, CA across stages: %s",
-            name, schedule._n_microbatches, schedule._num_stages, "yes" if across else "no",
-        )  # fmt: skip
-    return schedule, parts, first, last

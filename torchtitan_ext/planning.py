@@ -9,7 +9,7 @@ from it. Nothing is shared between layers but immutable configuration.
 
 Pipeline parallelism: a CA group may span the stages (``core_attention.across_stages``);
 it is then planned per sub-tick of the schedule, forward and backward sub-ticks separately under
-``Tick1F1B`` (:func:`tick_layouts`, :mod:`torchtitan_ext.pipeline`).
+``Tick1F1B`` (:func:`tick_layouts`, :mod:`torchtitan_ext.ticks`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ import distca
 from distca.cost import CostModel, ModelShape
 from distca.dispatch import build_dispatch
 from distca.planner import layer_seconds
+from torchtitan_ext.clock import elapsed
 from torchtitan_ext.config import CoreAttention
+from torchtitan_ext.ticks import microbatch_ticks, tick_assignments
 
-__all__ = ["CAPlanner", "PlannedBatch", "StepPlan", "StepStats", "stage_layout", "tick_layouts"]
+__all__ = ["CAPlanner", "PlannedBatch", "StepPlan", "StepStats", "interleaves", "stage_layout", "tick_layouts"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +119,7 @@ def tick_layouts(
     schedule: str = "Tick1F1B", contexts: "list | None" = None, nano_batches: int = 1,
 ) -> list["distca.Layout"]:  # fmt: skip
     """Every sub-tick plan's layout of one step of ``schedule`` (pure): the forward sub-ticks', then
-    the backward sub-ticks' that have their own plan (``torchtitan_ext.pipeline.tick_assignments``),
+    the backward sub-ticks' that have their own plan (:func:`torchtitan_ext.ticks.tick_assignments`),
     each as ``nano_batches`` layouts in a row. ``cu_seqlens[m * nano_batches + j]`` is nano-batch
     ``j`` of micro-batch ``m`` over one stage's ``ranks`` ranks, ``contexts`` likewise (None: none).
     Layouts of nano-batch 1 take nano-batch 0's K/V rows whether or not a document continues
@@ -128,8 +130,6 @@ def tick_layouts(
         >>> [(lay.cu_seqlens, lay.padding) for lay in tick_layouts([[0, 3, 4], [0, 4]], 2, 1, 4, "TickGPipe")]
         [((0, 3, 4, 8), (2,)), ((0, 4, 7, 8), ()), ((0, 4, 8), (0,))]
     """
-    from torchtitan_ext.pipeline import tick_assignments
-
     n = nano_batches
     cus = [torch.as_tensor(c).reshape(-1).tolist() for c in cu_seqlens]
     if len(cus) % n:
@@ -225,14 +225,12 @@ class StepPlan:
         (compiled models: the clock marks are Python side effects that ``torch.compile`` skips)."""
         if not self.attn_events:
             return None
-        from torchtitan_ext.layers import _elapsed  # deferred: layers imports this module
-
         fwd = bwd = 0.0
         for kind, a, b in self.attn_events:
             if kind == "fwd":
-                fwd += _elapsed(a, b)
+                fwd += elapsed(a, b)
             else:
-                bwd += _elapsed(a, b)
+                bwd += elapsed(a, b)
         return fwd, bwd
 
     @property
@@ -240,6 +238,22 @@ class StepPlan:
         """Seconds this micro-batch waited for its CA exchanges (what was not hidden; CUDA events on a GPU,
         read here, at the step end)."""
         return sum(p.stats.wait_s for p in self.plans)
+
+
+def interleaves(plans: "tuple[distca.DispatchPlan, ...]", pingpong: bool, backward_plans: bool) -> bool:
+    """Whether a block runs two nano-batches on ``plans`` interleaved (ping-pong), else one after the other.
+
+    Every rank of the group must decide alike: the converted block
+    (:func:`torchtitan_ext.layers._nano_block_forward`) runs this order, and an idle pipeline stage
+    (:func:`torchtitan_ext.pipeline.idle_server`) replays it. Interleave only when there is
+    communication to hide: with every row home (the planner kept both nano-batches local) the
+    sequential order is the same work with a smaller working set. ``local_only`` is a property of the
+    whole group, so every rank decides alike; but not with separate backward plans (Tick1F1B): a
+    backward sub-tick pairs micro-batches whose forwards ran on different plans, and their backward
+    orders must match, so ``pingpong`` alone decides."""
+    if backward_plans:
+        return pingpong
+    return pingpong and not all(p.meta is not None and p.meta.local_only for p in plans)
 
 
 @dataclass(eq=False)
@@ -268,7 +282,7 @@ class CAPlanner:
     stage: int = 0
     """This rank's pipeline stage."""
     schedule: str = "Tick1F1B"
-    """The tick schedule (``torchtitan_ext.pipeline``) whose sub-ticks are planned when the group spans stages."""
+    """The tick schedule (:mod:`torchtitan_ext.ticks`) whose sub-ticks are planned when the group spans stages."""
     shape: ModelShape | None = None
     """Attention shape for the planner's bytes model (set by the converter)."""
     cost_model: CostModel | None = None
@@ -289,16 +303,12 @@ class CAPlanner:
         :class:`StepPlan` (:meth:`StepPlan.part`): per sub-tick when the group spans stages, else per
         micro-batch."""
         if self.stages > 1:
-            from torchtitan_ext.pipeline import microbatch_ticks
-
             return microbatch_ticks(self.schedule, self.stages, self.stage, microbatch)
         return microbatch, None
 
     def _groups(self) -> tuple[int, int]:
         """(forward groups, all groups) of plans per item; a group is one plan per nano-batch."""
         if self.stages > 1:
-            from torchtitan_ext.pipeline import tick_assignments
-
             fwd, bwd = tick_assignments(self.schedule, self.microbatches, self.stages)
             return len(fwd), len(fwd) + len(bwd)
         n = max(self.microbatches, 1)

@@ -134,6 +134,7 @@ def summary_lines(run: RunRecord, plot_path: str | None = None) -> list[str]:
 def plot(run: RunRecord, path: str | Path) -> Path:
     """Write the run's PNG: per-step imbalance without and with CAD, and per-rank attention time
     (modelled without and with CAD, and measured). Returns the path."""
+    # matplotlib only when a plot is written (a heavy import), its file backend set before pyplot loads.
     import matplotlib
 
     matplotlib.use("Agg")

@@ -30,19 +30,20 @@ from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
 import distca  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part, pipeline_llm  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import build_text_dataloader  # noqa: E402
 from torchtitan.protocols import train_spec as ts  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.train import Trainer, main  # noqa: E402
 
 from torchtitan_ext import data, pipeline, report  # noqa: E402
-from torchtitan_ext.config import cost_model_name, nano_batches, validate_job  # noqa: E402
+from torchtitan_ext.config import TICK_SCHEDULES, cost_model_name, nano_batches, validate_job  # noqa: E402
 from torchtitan_ext.converter import planner_of  # noqa: E402
 from torchtitan_ext.planning import StepPlan  # noqa: E402
 from torchtitan_ext.data import pop_layout  # noqa: E402
 from torchtitan_ext.validate import build_ca_validator  # noqa: E402
 
-__all__ = ["CoreAttentionTrainer", "build_dataloader", "parallelize", "register_train_spec", "TRAIN_SPEC"]
+__all__ = ["CoreAttentionTrainer", "build_dataloader", "parallelize", "pipelining_fn", "register_train_spec", "TRAIN_SPEC"]
 
 TRAIN_SPEC = "llama3_ca"
 """``[model] name`` of torchtitan's llama3 with the CA-aware data loader."""
@@ -105,6 +106,55 @@ def parallelize(model, parallel_dims, job_config):
     return ts.get_train_spec("llama3").parallelize_fn(model, parallel_dims, job_config)
 
 
+def pipelining_fn(model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn):
+    """TrainSpec ``pipelining_fn``: torchtitan's ``pipeline_llm``, with ``"Tick1F1B"`` and ``"TickGPipe"``
+    resolved here.
+
+    The schedules are :mod:`torchtitan_ext.pipeline`'s. The micro-batch loss is
+    :func:`torchtitan_ext.pipeline.scaled_loss` (the trainer passes ``scale``). Raises on every
+    rank before any collective when the stages would hold unequal numbers of layers and a CA
+    group spans them (ticks pair the k-th core attention call of every stage).
+    """
+    par = job_config.parallelism
+    name = par.pipeline_parallel_schedule
+    cfg = getattr(job_config, "core_attention", None)
+    across = cfg is not None and cfg.enable and cfg.across_stages
+    if par.pipeline_parallel_microbatch_size != 1:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_microbatch_size={par.pipeline_parallel_microbatch_size} must be 1 with "
+            "the CA data loader: a micro-batch is one row of seq_len tokens of its CA group's window"
+        )
+    fqns = par.module_fqns_per_model_part or generate_llm_fqn_per_model_part(
+        par.pipeline_parallel_degree, model_args.n_layers,
+        par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers,
+    )  # fmt: skip
+    per_stage = [sum(1 for f in stage if f.startswith("layers.")) for stage in fqns]
+    if across and len(set(per_stage)) != 1:
+        raise ValueError(
+            f"core_attention.across_stages=true needs equal transformer layers per pipeline stage, got {per_stage} "
+            f"(model n_layers={model_args.n_layers}, pipeline_parallel_first_stage_less_layers="
+            f"{par.pipeline_parallel_first_stage_less_layers}, pipeline_parallel_last_stage_less_layers="
+            f"{par.pipeline_parallel_last_stage_less_layers}); set those two to 0 or choose n_layers divisible by "
+            "pipeline_parallel_degree, or set parallelism.module_fqns_per_model_part"
+        )
+    tick = name in TICK_SCHEDULES
+    if tick:  # torchtitan resolves schedule names through torch; split with GPipe's shape, then replace
+        job_config = dataclasses.replace(job_config, parallelism=dataclasses.replace(
+            par, pipeline_parallel_schedule="GPipe", module_fqns_per_model_part=fqns))  # fmt: skip
+    schedule, parts, first, last = pipeline_llm(
+        model, parallel_dims, job_config, device, model_args, parallelize_fn, pipeline.scaled_loss(loss_fn)
+    )
+    if tick:
+        cls = pipeline.Tick1F1B if name == "Tick1F1B" else pipeline.TickGPipe
+        schedule = cls(schedule._stage, n_microbatches=schedule._n_microbatches,
+                       loss_fn=schedule._loss_fn, scale_grads=False)  # fmt: skip
+        logger.info(
+            "pipeline schedule %s (torchtitan_ext.pipeline): %d micro-batches, %d stages, CA across stages: %s",
+            name, schedule._n_microbatches, schedule._num_stages, "yes" if across else "no",
+        )  # fmt: skip
+    return schedule, parts, first, last
+
+
 def register_train_spec() -> None:
     """Register ``"llama3_ca"`` (idempotent): llama3's flavors plus ``"debugmodel_8l"``, the debug
     model with 8 layers (2 per stage at pp 4: the stages of a CA group across stages hold equal layers)."""
@@ -115,7 +165,7 @@ def register_train_spec() -> None:
             TRAIN_SPEC,
             dataclasses.replace(
                 spec, model_args=flavors, build_dataloader_fn=build_dataloader, parallelize_fn=parallelize,
-                build_validator_fn=build_ca_validator, pipelining_fn=pipeline.pipelining_fn,
+                build_validator_fn=build_ca_validator, pipelining_fn=pipelining_fn,
             ),  # fmt: skip
         )
 

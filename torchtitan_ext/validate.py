@@ -27,11 +27,14 @@ from __future__ import annotations
 import distca
 import torch
 from torch import nn
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.validate import BaseValidator, Validator
+from torchtitan.distributed import utils as dist_utils
 
-from torchtitan_ext import data
-from torchtitan_ext.data import pop_layout
+from torchtitan_ext import data, pipeline
+from torchtitan_ext.config import nano_batches, validate_job
 from torchtitan_ext.converter import planner_of
+from torchtitan_ext.data import pop_layout
 
 __all__ = ["CAValidator", "build_ca_validator"]
 
@@ -54,8 +57,6 @@ class CAValidator(Validator):
         pp_has_first_stage=None,
         pp_has_last_stage=None,
     ) -> None:
-        from torchtitan_ext.config import nano_batches, validate_job
-
         BaseValidator.__init__(self, job_config)
         val = job_config.validation
         if val.dataset not in data.DATASETS:
@@ -119,11 +120,6 @@ class CAValidator(Validator):
     def _validate_pp(self, model_parts: list[nn.Module], step: int) -> None:
         """torchtitan's validation loop under pipeline parallelism, each batch's micro-batches run as
         the schedule's forward sub-ticks with their own plans (see the module docstring)."""
-        from torchtitan.components.loss import IGNORE_INDEX
-        from torchtitan.distributed import utils as dist_utils
-
-        from torchtitan_ext import pipeline
-
         for model in model_parts:
             model.eval()
         pl, device = self._planner, next(model_parts[0].parameters()).device
