@@ -227,7 +227,7 @@ def call_error(dp: DispatchPlan, q, k, v, cu_seqlens, mode: object) -> str | Non
     cu = None
     if cu_seqlens is not None and not (dp.checked_cu and dp.checked_cu[0] is cu_seqlens):
         cu = as_numpy(cu_seqlens)
-    err = _local_error(q, k, v, cu, lay.tokens_per_rank, lay.ranks, lay.kv_rows)
+    err = _local_error(q, k, v, cu, lay.tokens_per_rank, lay.ranks, dp.meta.kv_rows)
     if err is None and mode not in ("resend", "keep"):
         err = f"mode must be 'resend' or 'keep', got {mode!r}"
     if err is None and not needs_agreement(dp):
@@ -266,9 +266,9 @@ class Admitted:
 def placeholders(dp: DispatchPlan, device: torch.device, requires_grad: bool = False) -> tuple[torch.Tensor, ...]:
     """Zero q [T, Hq, D], k, v [kv_rows, Hkv, D] of the plan's bound shape: what a rejected call
     sends, so that every message has the size its peers expect."""
-    s, lay = dp.state.spec, dp.plan.layout
-    q = torch.zeros((lay.tokens_per_rank, s.q_heads, s.head_dim), dtype=s.dtype, device=device)
-    kv = [torch.zeros((lay.kv_rows, s.kv_heads, s.head_dim), dtype=s.dtype, device=device) for _ in range(2)]
+    s, m = dp.state.spec, dp.meta
+    q = torch.zeros((m.tokens_per_rank, s.q_heads, s.head_dim), dtype=s.dtype, device=device)
+    kv = [torch.zeros((m.kv_rows, s.kv_heads, s.head_dim), dtype=s.dtype, device=device) for _ in range(2)]
     return tuple(x.requires_grad_(requires_grad) for x in (q, *kv))
 
 
@@ -337,7 +337,7 @@ def _local_docs(dp: DispatchPlan) -> str:
         doc = s.doc[lo:hi]
         full = (lay.doc_lens + lay.context_tokens)[doc]
         rows = np.stack([s.offset[lo:hi], s.start[lo:hi], s.end[lo:hi], full, lay.is_padding[doc]], axis=1)
-        head = np.array([lay.tokens_per_rank, lay.kv_rows], dtype=np.int64)
+        head = np.array([lay.tokens_per_rank, dp.meta.kv_rows], dtype=np.int64)
         st.local_docs = hashlib.blake2b(head.tobytes() + rows.astype(np.int64).tobytes(), digest_size=16).hexdigest()
     return st.local_docs
 
@@ -356,7 +356,7 @@ def backward_error(dp: DispatchPlan, bdp: DispatchPlan, q, k, mode: object) -> s
         return (
             f"backward_plan gives this rank (CA rank {r}) other documents than the forward plan: forward "
             f"pieces (doc, start, end) {lf.rank_segments(r)[:4]}, backward {lb.rank_segments(r)[:4]} (T "
-            f"{lf.tokens_per_rank} / {lb.tokens_per_rank}, K/V rows {lf.kv_rows} / {lb.kv_rows}); a backward plan "
+            f"{lf.tokens_per_rank} / {lb.tokens_per_rank}, K/V rows {dp.meta.kv_rows} / {bdp.meta.kv_rows}); a backward plan "
             "must hold this rank's rows as the same documents at the same positions"
         )
     want, got = bdp.state.spec, CallSpec.of(q, k, mode)

@@ -46,6 +46,7 @@ def prepare(
     padding: Sequence[int] = (),
     policy: Policy = "distca",
     dispatch: DispatchMeta | None = None,
+    kv_prefix: bool = False,
     spec: CallSpec | None = None,
     verify: Verify = "now",
     **plan_kwargs,
@@ -69,6 +70,10 @@ def prepare(
             raises like any bad input (on every rank, see ``verify``).
         dispatch: with a Plan, this rank's ``distca.dispatch.build_dispatch(plan, rank)``
             made ahead of time (e.g. in a planning thread); default: built here.
+        kv_prefix: calls take K/V of [2T] rows (the previous nano-batch's, then this one's) even when
+            no document continues from the previous nano-batch (with ``context`` they always do):
+            for plans that must share one K/V shape, such as a pipeline's forward and backward
+            sub-tick plans of a second nano-batch. A prebuilt ``dispatch`` carries its own.
         spec: the shape of every call on this plan (:class:`CallSpec`). Given, it is agreed
             with the plan and no call on the plan runs a collective of its own; without it, the
             plan's first call agrees on it (one small collective, once per plan).
@@ -99,6 +104,10 @@ def prepare(
         p, err = None, "dispatch is for a Plan (its prebuilt metadata)"
     elif dispatch is not None and not isinstance(dispatch, DispatchMeta):
         p, err = None, f"dispatch must be a distca.dispatch.DispatchMeta, got {type(dispatch).__name__}"
+    elif not isinstance(kv_prefix, bool):
+        p, err = None, f"kv_prefix must be a bool, got {type(kv_prefix).__name__}"
+    elif kv_prefix and dispatch is not None:
+        p, err = None, "kv_prefix is for the dispatch built here; a prebuilt dispatch carries its own K/V rows"
     elif isinstance(plan_or_cu_seqlens, Plan):
         p = plan_or_cu_seqlens
         if p.layout.ranks != R:
@@ -130,10 +139,14 @@ def prepare(
     # A bad verify joins an agreement too: its fields pair with a peer's prepare or first layer.
     # The agreement also raises, on every rank, any call this rank rejected since the group's last one.
     if verify != "first_use":
-        rows = (p.layout.tokens_per_rank, p.layout.kv_rows) if p is not None and spec is not None else (-1, -1)
+        if p is not None and spec is not None:
+            T = p.layout.tokens_per_rank
+            rows = (T, dispatch.kv_rows if dispatch is not None else 2 * T if kv_prefix else p.layout.kv_rows)
+        else:
+            rows = (-1, -1)
         _admission.agree(pg, err, _admission.fields(digest, rows, state.spec))
         state.agreed = state.spec is not None
-    meta = None if err is not None else dispatch if dispatch is not None else build_dispatch(p, rank)
+    meta = None if err is not None else dispatch if dispatch is not None else build_dispatch(p, rank, kv_prefix=kv_prefix)
     return register(DispatchPlan(
         p if err is None else None, meta, pg, new_handle(), digest=digest, error=err,
         verify=verify if verify in ("now", "first_use", "every_call") else "now", state=state,

@@ -183,7 +183,7 @@ def _recv_order(homes: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray, tupl
     return recv_to_task, order, tuple(np.bincount(homes, minlength=R).tolist())
 
 
-def _in_place(plan: Plan) -> np.ndarray:
+def _in_place(plan: Plan, kv_rows: int) -> np.ndarray:
     """bool [N tasks]: the tasks each server runs in place (see the module docstring).
 
     A task qualifies when its Q rows and its whole K/V prefix live on its server, as one
@@ -202,13 +202,13 @@ def _in_place(plan: Plan) -> np.ndarray:
     nonempty = hi > lo
     home_lo, home_hi = (lo % RT) // T, ((hi - 1) % RT) // T
     ok &= np.all(~nonempty | ((home_lo == srv[:, None]) & (home_hi == srv[:, None])), axis=1)
-    b_lo, b_last = lay.kv_buffer_row(lo), lay.kv_buffer_row(hi - 1)
+    b_lo, b_last = lay.kv_buffer_row(lo, kv_rows), lay.kv_buffer_row(hi - 1, kv_rows)
     both = nonempty.all(axis=1)
     ok &= ~both | (b_last[:, 0] + 1 == b_lo[:, 1])
     ks = np.where(nonempty[:, 0], b_lo[:, 0], b_lo[:, 1])
     # Per server, by query row: keep a task if its keys start after every earlier task's keys end.
     qa = g0 + qs - srv * T
-    big = np.int64(4 * (lay.kv_rows + 1))
+    big = np.int64(4 * (kv_rows + 1))
     order = np.lexsort((qa, ~ok, srv))  # candidates first within each server, then by row
     ke = np.where(ok, ks + qe, -1)[order] + srv[order] * big
     prev = np.concatenate([[np.iinfo(np.int64).min], np.maximum.accumulate(ke)[:-1]])
@@ -231,7 +231,7 @@ def _local_cu(plan: Plan, tasks: np.ndarray, kv_rows: int, rank: int) -> tuple[n
     order = np.argsort(qa, kind="stable")
     doc, qs, qe, qa = doc[order], qs[order], qe[order], qa[order]
     lo, hi = lay.kv_intervals(doc, qe)
-    ks = lay.kv_buffer_row(np.where(hi[:, 0] > lo[:, 0], lo[:, 0], lo[:, 1]))
+    ks = lay.kv_buffer_row(np.where(hi[:, 0] > lo[:, 0], lo[:, 0], lo[:, 1]), kv_rows)
     lq, lk = qe - qs, qe
     prev_q = np.concatenate([[0], qa[:-1] + lq[:-1]])
     prev_k = np.concatenate([[0], ks[:-1] + lk[:-1]])
@@ -247,12 +247,15 @@ def _local_cu(plan: Plan, tasks: np.ndarray, kv_rows: int, rank: int) -> tuple[n
     return cu_q, cu_k
 
 
-def build_dispatch(plan: Plan, rank: int, *, _exchange_local: bool = False) -> DispatchMeta:
+def build_dispatch(plan: Plan, rank: int, *, kv_prefix: bool = False, _exchange_local: bool = False) -> DispatchMeta:
     """This rank's :class:`DispatchMeta` for ``plan`` (pure, deterministic).
 
     K/V rows are addressed in the layout's KV space (``distca.layout``): with a
     continued document, a home also sends rows of the previous nano-batch, which
-    are rows [0, T) of its [2T, Hkv, D] K/V.
+    are rows [0, T) of its [2T, Hkv, D] K/V. ``kv_prefix``: take that [2T] K/V even when
+    no document continues (``kv_rows`` = 2T), for plans that must share one K/V shape
+    whatever their documents, such as a pipeline's forward and backward sub-tick plans of
+    a second nano-batch.
 
     ``_exchange_local`` (a test hook, for ``distca.prepare(plan, dispatch=...)``): no task runs in
     place; every task's rows go through the all-to-alls, a server's own rows sent to itself
@@ -274,8 +277,11 @@ def build_dispatch(plan: Plan, rank: int, *, _exchange_local: bool = False) -> D
             "(Layout.padding): they need no core attention"
         )
     padding_rows = int(lay.padding_mask(rank).sum()) if lay.padding else 0
-    in_place = np.zeros(plan.tasks.shape[0], dtype=bool) if _exchange_local else _in_place(plan)
-    local_cu_q, local_cu_k = _local_cu(plan, plan.tasks[in_place & (plan.tasks[:, 3] == rank)], lay.kv_rows, rank)
+    if not isinstance(kv_prefix, bool):
+        raise TypeError(f"kv_prefix must be a bool, got {type(kv_prefix).__name__}")
+    kv_rows = 2 * T if kv_prefix else lay.kv_rows
+    in_place = np.zeros(plan.tasks.shape[0], dtype=bool) if _exchange_local else _in_place(plan, kv_rows)
+    local_cu_q, local_cu_k = _local_cu(plan, plan.tasks[in_place & (plan.tasks[:, 3] == rank)], kv_rows, rank)
     t = plan.tasks[~in_place]  # still sorted by (server, doc, q_start)
     doc, qs, qe, srv = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
     base = lay.q_base
@@ -312,7 +318,7 @@ def build_dispatch(plan: Plan, rank: int, *, _exchange_local: bool = False) -> D
     lo = np.maximum(iv_lo, w_lo)
     hi = np.minimum(iv_hi, w_lo + T)
     mine = hi > lo
-    kv_send_idx = lay.kv_buffer_row(_ranges(lo[mine], hi[mine]))
+    kv_send_idx = lay.kv_buffer_row(_ranges(lo[mine], hi[mine]), kv_rows)
     kv_send_splits = tuple(np.bincount(iv_srv[mine], hi[mine] - lo[mine], R).astype(np.int64).tolist())
     kv_back_rows, kv_back_inv = np.unique(kv_send_idx, return_inverse=True)
 
@@ -326,8 +332,8 @@ def build_dispatch(plan: Plan, rank: int, *, _exchange_local: bool = False) -> D
     # group order (grouped by home); each task's keys index into them.
     gs_lo, gs_hi = np.searchsorted(g_srv, [rank, rank + 1])
     my_g_doc, my_g_end = g_doc[gs_lo:gs_hi], g_end[gs_lo:gs_hi]
-    kv_rows = _ranges(iv_lo[2 * gs_lo : 2 * gs_hi], iv_hi[2 * gs_lo : 2 * gs_hi])
-    kv_recv_to_task, _, kv_recv_splits = _recv_order((kv_rows % RT) // T, R)
+    recv_kv = _ranges(iv_lo[2 * gs_lo : 2 * gs_hi], iv_hi[2 * gs_lo : 2 * gs_hi])
+    kv_recv_to_task, _, kv_recv_splits = _recv_order((recv_kv % RT) // T, R)
     g_off = np.concatenate([[0], np.cumsum(my_g_end)[:-1]]).astype(np.int64)
     task_group = np.searchsorted(my_g_doc, my_tasks[:, 0])
     kv_task = _ranges(g_off[task_group], g_off[task_group] + my_tasks[:, 2])
@@ -351,7 +357,7 @@ def build_dispatch(plan: Plan, rank: int, *, _exchange_local: bool = False) -> D
         rank=rank,
         ranks=R,
         tokens_per_rank=T,
-        kv_rows=lay.kv_rows,
+        kv_rows=kv_rows,
         flat=flat,
         **views,
         local_max_q=int(lq.max()) if lq.size else 0,

@@ -153,10 +153,6 @@ class Layout:
     """Indices of padding documents, sorted, without repeats: tokens that hold a place in the
     linear layers' layout but need no core attention (no task, output 0, gradient 0; see the
     module docstring). A padding document is not in ``context``. Empty: every document is real."""
-    kv_prefix: bool = False
-    """Take the previous nano-batch's K/V rows (``kv_rows = 2T``) even when no document continues
-    from it: for layouts whose plans must share one K/V shape whatever their documents, such as a
-    pipeline's forward and backward sub-tick plans of a second nano-batch. Implied by ``context``."""
 
     def __post_init__(self) -> None:
         ranks = _as_int("ranks", self.ranks)
@@ -191,8 +187,6 @@ class Layout:
         self.__dict__["cu_array"] = cu
         object.__setattr__(self, "context", _check_context(self.context, cu.size - 1, ranks * tokens))
         object.__setattr__(self, "padding", _check_padding(self.padding, cu.size - 1, self.context))
-        if not isinstance(self.kv_prefix, bool):
-            raise TypeError(f"kv_prefix must be a bool, got {type(self.kv_prefix).__name__}")
 
     # ---- construction -------------------------------------------------------------
 
@@ -281,8 +275,10 @@ class Layout:
 
     @property
     def kv_rows(self) -> int:
-        """K/V rows core attention takes per rank: ``2T`` with context (or ``kv_prefix``), else ``T``."""
-        return 2 * self.tokens_per_rank if self.context or self.kv_prefix else self.tokens_per_rank
+        """K/V rows core attention takes per rank: ``2T`` with context (the previous nano-batch's rows,
+        then this one's), else ``T``. A dispatch may take ``2T`` without context too
+        (``distca.dispatch.build_dispatch(..., kv_prefix=True)``)."""
+        return 2 * self.tokens_per_rank if self.context else self.tokens_per_rank
 
     @functools.cached_property
     def q_base(self) -> np.ndarray:
@@ -306,11 +302,12 @@ class Layout:
         hi_n = lo_n + np.maximum(end - c, 0)
         return np.stack([lo_c, lo_n], axis=1), np.stack([hi_c, hi_n], axis=1)
 
-    def kv_buffer_row(self, g: np.ndarray) -> np.ndarray:
-        """Row of a KV-space position ``g`` in its home rank's ``[kv_rows, Hkv, D]`` K/V."""
+    def kv_buffer_row(self, g: np.ndarray, kv_rows: int | None = None) -> np.ndarray:
+        """Row of a KV-space position ``g`` in its home rank's ``[kv_rows, Hkv, D]`` K/V
+        (``kv_rows``: default :attr:`kv_rows`; ``2T`` puts the previous nano-batch's rows first)."""
         g = np.asarray(g, dtype=np.int64)
         T = self.tokens_per_rank
-        if self.kv_rows == T:
+        if (self.kv_rows if kv_rows is None else kv_rows) == T:
             return g % T
         return g % T + np.where(g >= 0, T, 0)
 

@@ -81,7 +81,6 @@ class PlannedBatch:
 
 def stage_layout(
     cus: "list[list[int]]", contexts: "list[tuple]", assignment: "list[int | None]", ranks: int, tokens_per_rank: int,
-    kv_prefix: bool = False,
 ) -> "distca.Layout":  # fmt: skip
     """One sub-tick's layout of a CA group spanning ``len(assignment)`` pipeline stages (pure).
 
@@ -89,7 +88,7 @@ def stage_layout(
     documents it continues from the layout before it (``distca.Layout.context``, () for none).
     Group rank ``s * ranks + j`` holds rank ``j``'s rows of micro-batch ``assignment[s]``, or
     placeholder rows (one padding document per rank, ``distca.Layout.padding``) when it is None;
-    documents never cross stages. ``kv_prefix``: ``distca.Layout.kv_prefix``.
+    documents never cross stages.
 
     Example:
         >>> stage_layout([[0, 3, 4], [0, 4]], [(), ()], [1, 0], 1, 4).cu_seqlens
@@ -110,7 +109,7 @@ def stage_layout(
         context.extend((first + d, n, base + end) for d, n, end in contexts[m])
         bounds.extend(base + x for x in cus[m][1:])
     return distca.Layout(
-        tuple(bounds), len(assignment) * ranks, tokens_per_rank, tuple(context), tuple(padding), kv_prefix
+        tuple(bounds), len(assignment) * ranks, tokens_per_rank, tuple(context), tuple(padding)
     )  # fmt: skip
 
 
@@ -122,9 +121,10 @@ def tick_layouts(
     the backward sub-ticks' that have their own plan (:func:`torchtitan_ext.ticks.tick_assignments`),
     each as ``nano_batches`` layouts in a row. ``cu_seqlens[m * nano_batches + j]`` is nano-batch
     ``j`` of micro-batch ``m`` over one stage's ``ranks`` ranks, ``contexts`` likewise (None: none).
-    Layouts of nano-batch 1 take nano-batch 0's K/V rows whether or not a document continues
-    (``distca.Layout.kv_prefix``): a backward sub-tick's plan must take the K/V its micro-batch's
-    forward sub-tick took, and the two group other micro-batches.
+    Plans of nano-batch 1 take nano-batch 0's K/V rows whether or not a document continues
+    (``distca.dispatch.build_dispatch(..., kv_prefix=True)``, :meth:`CAPlanner.plan`): a backward
+    sub-tick's plan must take the K/V its micro-batch's forward sub-tick took, and the two group
+    other micro-batches.
 
     Example:
         >>> [(lay.cu_seqlens, lay.padding) for lay in tick_layouts([[0, 3, 4], [0, 4]], 2, 1, 4, "TickGPipe")]
@@ -137,7 +137,7 @@ def tick_layouts(
     ctxs = [() if c is None else tuple(map(tuple, torch.as_tensor(c).reshape(-1, 3).tolist())) for c in (contexts or [None] * len(cus))]
     fwd, bwd = tick_assignments(schedule, len(cus) // n, stages)
     return [
-        stage_layout(cus[j::n], ctxs[j::n], assign, ranks, tokens_per_rank, kv_prefix=j > 0)
+        stage_layout(cus[j::n], ctxs[j::n], assign, ranks, tokens_per_rank)
         for assign in fwd + bwd for j in range(n)
     ]  # fmt: skip
 
@@ -343,7 +343,8 @@ class CAPlanner:
             if self.stages > 1:
                 T = int(torch.as_tensor(cus[0]).reshape(-1)[-1]) // self.degree
                 lays = tick_layouts(cus, self.stages, self.degree, T, self.schedule, ctxs, self.nano_batches)
-                out = [self._plan_layout(lay) for lay in lays]
+                # Nano-batch j > 0 of every sub-tick takes the K/V of nano-batch j - 1 (see tick_layouts).
+                out = [self._plan_layout(lay, kv_prefix=i % self.nano_batches > 0) for i, lay in enumerate(lays)]
             else:
                 out = [self._plan_one(cu, c) for cu, c in zip(cus, ctxs)]
         except (ValueError, TypeError) as e:  # the planner rejected this rank's layout
@@ -367,12 +368,12 @@ class CAPlanner:
         cu = torch.as_tensor(cu_seqlens).reshape(-1).tolist()
         return self._plan_layout(distca.Layout(tuple(cu), self.degree, cu[-1] // self.degree, self._context(context)))
 
-    def _plan_layout(self, lay: "distca.Layout"):
+    def _plan_layout(self, lay: "distca.Layout", kv_prefix: bool = False):
         t0 = time.perf_counter()
         kw = self._plan_kwargs()
         p = distca.plan(lay, self.cfg.policy, **kw)
         kw.pop("capacity_bytes", None)
-        meta = build_dispatch(p, self.rank)
+        meta = build_dispatch(p, self.rank, kv_prefix=kv_prefix)
         base = p if self.cfg.policy == "colocated" else distca.plan(lay, "colocated", **kw)
         stats = StepStats(
             imbalance_colocated=base.imbalance,

@@ -114,7 +114,6 @@ class Plan:
                 "cu_seqlens": list(self.layout.cu_seqlens),
                 "context": [list(c) for c in self.layout.context],
                 "padding": list(self.layout.padding),
-                "kv_prefix": self.layout.kv_prefix,
                 "policy": self.policy,
                 "tasks": self.tasks.tolist(),
                 "shape": vars(self.shape),
@@ -133,7 +132,7 @@ class Plan:
         d = json.loads(text)
         layout = Layout(
             tuple(d["cu_seqlens"]), d["ranks"], d["tokens_per_rank"],
-            tuple(map(tuple, d.get("context", ()))), tuple(d.get("padding", ())), bool(d.get("kv_prefix", False)),
+            tuple(map(tuple, d.get("context", ()))), tuple(d.get("padding", ())),
         )  # fmt: skip
         t = np.asarray(d["tasks"], dtype=np.int64).reshape(-1, 4)
         return build_plan(
