@@ -199,7 +199,8 @@ def _local_error(q, k, v, cu: np.ndarray | None, T_plan: int, R: int, kv_rows: i
         return f"q has T={q.shape[0]} rows but the plan's layout has tokens_per_rank={T_plan} (T must be equal on every rank)"
     if k.shape[0] != kv_rows:
         why = (
-            "the layout continues documents of the previous nano-batch: pass its K/V rows first, cat([k_prev, k])"
+            "the plan takes the previous nano-batch's K/V rows first (its layout continues a document, or it was "
+            "prepared with kv_prefix): pass cat([k_prev, k])"
             if kv_rows != T_plan
             else "k and v hold the same T rows as q"
         )

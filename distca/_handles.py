@@ -100,6 +100,12 @@ class DispatchPlan:
         return int(self.handle[0])
 
     @property
+    def kv_rows(self) -> int:
+        """K/V rows every call on this plan takes: T, or 2T (the previous nano-batch's rows first)
+        when its layout continues a document or it was prepared with ``kv_prefix``."""
+        return self.meta.kv_rows
+
+    @property
     def spec(self) -> CallSpec | None:
         """The calls' shape once the group agreed on it (given to ``prepare`` or taken from the
         plan's first call), else None."""

@@ -172,8 +172,8 @@ def _nano_block_forward(block, x, freqs_cis, attention_masks=None, positions=Non
         """Pre-attention and dispatch of nano-batch i; returns its flight and its own (k, v)."""
         q, k, v = pre(block, xs[i], freqs_cis, ps[i])
         kk, vv = k, v
-        lay = step.plans[i].plan.layout
-        if kv_prev is not None and lay.kv_rows != lay.tokens_per_rank:  # continues nano-batch 0: its keys first
+        dp = step.plans[i]
+        if kv_prev is not None and dp.kv_rows != dp.plan.layout.tokens_per_rank:  # nano-batch 0's keys first
             kk, vv = torch.cat([kv_prev[0], k]), torch.cat([kv_prev[1], v])
         back = step.backward_plans[i] if step.backward_plans else None
         return pingpong.start(q, kk, vv, plan=step.plans[i], backward_plan=back, after=after, **kw), (k, v)
