@@ -142,6 +142,7 @@ def lookup_or_reject(handle: torch.Tensor, group: object) -> DispatchPlan:
         reject(group, None, str(e), RuntimeError)
 
 
+@torch._dynamo.assume_constant_result  # a group resolves the same way every call: no tracing into it
 def group_name(group: object) -> str:
     """The name of the process group ``group`` resolves to (a call's ``group=``); "" for None."""
     return "" if group is None else mesh.resolve_group(group).group_name

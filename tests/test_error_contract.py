@@ -89,6 +89,14 @@ def _contract_worker(rank, world):
     res["compiled_right"] = bool(torch.equal(ok, ref))
     (wrong if bad else right)(q, k, v, dp5.handle)
     res["compiled_wrong"] = _error(lambda: distca.check(dp5))
+    # A DeviceMesh names its "ca" group: the same plan and group whether given as a mesh or a group.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    m = init_device_mesh("cpu", (world,), mesh_dim_names=("ca",))
+    dp6 = distca.prepare(cu, m, spec=spec)
+    on_mesh = torch.compile(lambda q, k, v, h: distca.core_attention(q, k, v, None, plan=h, group=m), fullgraph=True)
+    out6 = on_mesh(q, k, v, dp6.handle)
+    res["mesh"] = (bool(torch.equal(out6, distca.core_attention(q, k, v, None, plan=dp6, group=m.get_group()))), _error(lambda: distca.check(dp6)))
     return res
 
 
@@ -106,6 +114,7 @@ def test_unraised_errors_reach_every_rank_once():
         assert "group is process group" in res[r]["group_at_check"]
         assert res[r]["compiled_right"]
         assert "group is process group" in res[r]["compiled_wrong"]
+        assert res[r]["mesh"] == (True, None)
     assert res[1]["returned"] == ((12, 4, 8), True) and res[0]["returned"] == ((16, 4, 8), False)  # zeros where carried
     # The freed plan warns on the rank that rejected the call, and only there.
     assert len(res[1]["freed_warnings"]) == 1 and original in res[1]["freed_warnings"][0], res[1]["freed_warnings"]
