@@ -1,6 +1,6 @@
 """Admission: whether a call may run, and how a rejected call reaches every rank.
 
-The contract (``docs/core_attention.md``, "Errors"): the group agrees once per plan (at
+The contract (``docs/guides/core_attention.md``, "Errors"): the group agrees once per plan (at
 ``prepare`` or the plan's first call) and once per step (:func:`distca.check`); every other
 call is checked locally, with no collective and no host read of a device tensor. A call that
 fails its local check on one rank is *carried*: it runs its exchanges on zero placeholder rows

@@ -13,7 +13,7 @@ The pieces behind it, one role each: :mod:`distca._handles` (the prepared plan a
 the ops find it by), :mod:`distca._admission` (local checks, carried calls, agreements and the
 record of errors not raised yet), :mod:`distca._ops` (the custom ops, their fakes and autograd)
 and :mod:`distca.exchange` (the one transport). The error contract is in
-``docs/core_attention.md``, "Errors".
+``docs/guides/core_attention.md``, "Errors".
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def core_attention(
     found then (a ``group`` that is not the plan's included) is raised on every rank by
     :func:`check`, at the step boundary, or by the group's next :func:`prepare` if ``check`` is
     not called (this rank runs the call on placeholder rows and returns zeros meanwhile); with a
-    plan prepared ``verify="every_call"``, at the call itself (``docs/core_attention.md``, "Errors").
+    plan prepared ``verify="every_call"``, at the call itself (``docs/guides/core_attention.md``, "Errors").
 
     Example (2 processes, gloo)::
 

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         from torchtitan_ext import _compat
 
-        _compat.apply()  # torchtitan 0.2.2 on CPU needs start-up patches (docs/torchtitan.md)
+        _compat.apply()  # torchtitan 0.2.2 on CPU needs start-up patches (docs/guides/torchtitan.md)
         from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
         t = HuggingFaceTokenizer(tokenizer_path=str(args.out))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# distca GPU check: one machine, one CUDA GPU, under 8 minutes, nothing downloaded (docs/gpu.md).
+# distca GPU check: one machine, one CUDA GPU, under 8 minutes, nothing downloaded (docs/guides/gpu.md).
 #
 #   bash scripts/gpu_check.sh                    # results in $OUT, else outputs/gpu_check/<timestamp>
 #   bash scripts/gpu_check.sh --out DIR          # results in DIR
@@ -221,7 +221,7 @@ else
   else
     record deps ok 0 0 0 "all present"
   fi
-  fix="run 'bash scripts/gpu_check.sh --prepare-wheels' on a machine with internet and bring $WHEELS along; docs/gpu.md"
+  fix="run 'bash scripts/gpu_check.sh --prepare-wheels' on a machine with internet and bring $WHEELS along; docs/guides/gpu.md"
   miss_train=$(missing $TRAIN_MODULES)
   [ -n "$miss_train" ] && { TRAIN_OK=0; TRAIN_WHY="trainer packages missing: $miss_train ($fix)"; }
   have pytest || PYTEST_WHY="pytest is missing ($fix)"

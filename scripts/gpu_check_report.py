@@ -2,7 +2,7 @@
 
     python scripts/gpu_check_report.py --out DIR [--total-seconds S]
 
-Reads what the stages left in DIR (docs/gpu.md): ``stages.tsv`` (the shell's record of every
+Reads what the stages left in DIR (docs/guides/gpu.md): ``stages.tsv`` (the shell's record of every
 stage: status, exit code, seconds), pytest's junit XML (``pytest_junit.xml`` for the ``tests``
 stage, ``logs/<stage>.xml`` for the stages made of ``tests/test_gpu.py``) and the JSON the tests
 recorded (``env.json``, ``op_check.json``, ``kernel_bench.json``, ``calibration.json``,

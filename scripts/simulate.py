@@ -1,5 +1,5 @@
 """The step-time simulator's command line; the same as ``python -m distca.sim`` (see
-``distca/sim/cli.py`` and ``docs/simulator.md``)."""
+``distca/sim/cli.py`` and ``docs/guides/simulator.md``)."""
 
 import sys
 from pathlib import Path

@@ -154,7 +154,7 @@ def test_rows_name_constructed_and_file_batches(tmp_path):
 def test_synthetic_batches(kind):
     """The constructed batch shapes sum to the budget, have the shape they are named for, and plan
     to within 2% of the mean (16 ranks x 16K: a min_shard chunk deep in a document is ~1% of a
-    server's load here, so the tolerance / 5 band is not always reachable; docs/planner.md)."""
+    server's load here, so the tolerance / 5 band is not always reachable; docs/guides/planner.md)."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         from bench_planner import synthetic_batch

@@ -30,7 +30,7 @@ from torchtitan_ext.data import (
 
 
 def _import_torchtitan():
-    # torchtitan 0.2.2 needs CPU start-up patches (triton stub, ...; docs/torchtitan.md).
+    # torchtitan 0.2.2 needs CPU start-up patches (triton stub, ...; docs/guides/torchtitan.md).
     from torchtitan_ext import _compat
 
     _compat.apply()

@@ -1,4 +1,4 @@
-"""The GPU check's stages as CUDA tests (docs/gpu.md).
+"""The GPU check's stages as CUDA tests (docs/guides/gpu.md).
 
 ``scripts/gpu_check.sh`` runs them one stage at a time (``-m cuda -k test_<stage>_``, each
 stage under its own time limit); ``pytest -m cuda tests`` on a GPU machine runs them with every

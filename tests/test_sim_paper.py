@@ -6,7 +6,7 @@ The reference figures below were produced by running the paper repository's own 
 ``baseline/wlbllm_original/wlbllm/utils.py::compute_per_doc_cp_shard_doc_len``, unmodified, from a
 scratch copy; only ``rich`` stubbed) on the distributions shipped with it (identical to our
 ``doclens_{pretrain,prolong}``), with statistics computed by a separate plain-Python script.
-See docs/simulator_paper.md for the procedure and the table.
+See docs/guides/simulator_paper.md for the procedure and the table.
 
 Two kinds of checks:
 - seed 42 (the only seed the paper code uses: it never passes one): our generators give the same

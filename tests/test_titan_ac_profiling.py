@@ -144,7 +144,7 @@ def pingpong_op_sac(runs_dir):
 def test_op_sac_runs_no_all_to_all_in_the_recompute(no_ac, op_sac):
     """Op-level SAC: per rank the same all-to-alls as without checkpointing, in forward and in
     backward, and the same losses and grad norms. Full activation checkpointing (by hand, not
-    here: another ~25 s run) re-runs every forward exchange in the backward (docs/torchtitan.md);
+    here: another ~25 s run) re-runs every forward exchange in the backward (docs/records/torchtitan_cpu.md);
     so does op-level SAC with the op taken out of the save list."""
     (log_none, n_none, loss_none), (log_op, n_op, loss_op) = no_ac, op_sac
     assert "Applied selective activation checkpointing" in log_op, log_op[-4000:]

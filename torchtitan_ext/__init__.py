@@ -24,5 +24,5 @@ Written against torchtitan 0.2.2:
 - ``train``: the launcher and its TrainSpec hooks,
   ``torchrun ... -m torchtitan_ext.train --job.config_file ...``.
 
-See docs/torchtitan.md; tests/test_titan_imports.py checks the one-way imports and the boundary.
+See docs/guides/torchtitan.md; tests/test_titan_imports.py checks the one-way imports and the boundary.
 """

@@ -3,7 +3,7 @@
 torchtitan 0.2.2 assumes CUDA and triton. On a machine without CUDA five
 things break at start-up, MFU is computed against an A100 and
 ``--profiling.enable_profiling`` fails (measured with torch 2.13 CPU; the list
-is in ``docs/torchtitan.md``, "CPU start-up patches"). :func:`apply` fixes
+is in ``docs/guides/torchtitan.md``, "CPU start-up patches"). :func:`apply` fixes
 them from outside the package; nothing in site-packages is edited. Each of
 these is applied only when it is needed (no CUDA; the triton stub only when
 triton is missing).

@@ -44,7 +44,7 @@ class CoreAttention:
     """With ``pipeline_parallel_degree = pp > 1``: true (the paper's 4D setting) makes one CA group
     of ``degree * pp`` ranks, the ``degree`` data-parallel ranks of every stage, planned once per
     pipeline sub-tick over the micro-batches all stages hold in it (needs
-    ``pipeline_parallel_schedule = "Tick1F1B"`` or ``"TickGPipe"``, see ``docs/pipeline.md``); false keeps each
+    ``pipeline_parallel_schedule = "Tick1F1B"`` or ``"TickGPipe"``, see ``docs/guides/pipeline.md``); false keeps each
     stage's group to its own ``degree`` data-parallel ranks (any single-stage schedule)."""
 
     policy: Policy = "distca"

@@ -5,7 +5,7 @@ Each step the group takes the next ``R * T`` tokens of its stream (``T = seq_len
 gets stream tokens ``[r * T, (r + 1) * T)`` of that window. Different CA groups read disjoint
 (``"stdlib"``) or independently seeded (``"synthetic_*"``) streams.
 
-Cut rule (see ``docs/data.md``):
+Cut rule (see ``docs/guides/data.md``):
     * Documents are packed back to back; a document may cross any rank boundary inside the
       window (the CA attention sees it whole: ``cu_seqlens`` is the group's GLOBAL layout).
     * A document that does not fit in the rest of the window is cut at the window end; its

@@ -2,7 +2,7 @@
 
 Select one with ``[parallelism] pipeline_parallel_schedule``: ``"Tick1F1B"`` (the default for CAD
 across stages, the paper's) or ``"TickGPipe"``. With ``[core_attention] across_stages = true`` one
-CA group spans the stages (the paper's 4D setting, ``docs/pipeline.md``), and every stage runs the
+CA group spans the stages (the paper's 4D setting, ``docs/guides/pipeline.md``), and every stage runs the
 same phase in each *sub-tick*, so each sub-tick's core attention calls pair up across the stages:
 
 - **Tick1F1B.** With ``M`` micro-batches and ``P`` stages a step is ``M + 2P - 2`` ticks of a

@@ -1,7 +1,7 @@
 """Tick arithmetic of the tick-synchronous pipeline schedules (pure; no torch, no torchtitan).
 
 Which micro-batch every stage holds in each sub-tick of ``"Tick1F1B"`` and ``"TickGPipe"``
-(the schedules themselves: :mod:`torchtitan_ext.pipeline`; the order: ``docs/pipeline.md``).
+(the schedules themselves: :mod:`torchtitan_ext.pipeline`; the order: ``docs/guides/pipeline.md``).
 The planner (:mod:`torchtitan_ext.planning`) plans one CA group's layouts per sub-tick from
 the same numbers the schedule runs them by, so both read them here.
 """

@@ -1,6 +1,6 @@
 """The ``distca`` balancer's running account of each rank's transfer bytes under a network model
 (:class:`Ledger`), so that it can price every move as it makes it: a move is taken only when the
-exposed transfer time it adds costs less than the compute it saves (see ``docs/planner.md``,
+exposed transfer time it adds costs less than the compute it saves (see ``docs/guides/planner.md``,
 "The network model").
 
 The account is an estimate of :func:`distca.cost.traffic` for the plan as it grows: exact for

@@ -105,7 +105,7 @@ def place(
             ``"llama3-8b"``). Work of a slot = sum over its document pieces of
             ``CostModel.task_time`` (what the colocated plan charges it).
 
-    Algorithm (see ``docs/planner.md``):
+    Algorithm (see ``docs/guides/planner.md``):
 
     1. Documents longer than a slot are laid over consecutive slots, each starting part-way into
        a fresh slot (after other documents; ``_head_offset``: where that spreads the KV prefix

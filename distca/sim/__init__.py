@@ -1,6 +1,6 @@
 """Analytic step-time simulator: distca against its baselines on a model, a cluster and a workload.
 
-``python -m distca.sim --help`` for the command line; ``docs/simulator.md`` for the model.
+``python -m distca.sim --help`` for the command line; ``docs/guides/simulator.md`` for the model.
 
 Modules, one role each:
 

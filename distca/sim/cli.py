@@ -6,7 +6,7 @@ batches, plans each batch's core attention with ``distca.plan`` (``colocated``, 
 per-rank bytes into a step time with and without ping-pong overlap, and reports distca's speedup
 over each baseline with a 95% interval, the memory per GPU and the bytes per GPU. By default it
 runs the DistCA paper's grid (Llama-8B/34B shapes, 64-512 H200 GPUs, 128K-512K context, the
-paper's two distributions) and puts the speedups next to the paper's. See ``docs/simulator.md``.
+paper's two distributions) and puts the speedups next to the paper's. See ``docs/guides/simulator.md``.
 
     python -m distca.sim                          # full 3D grid, 30 seeds, table + outputs/simulate/speedup.png
     python -m distca.sim --quick                  # small subset (a few seconds)
@@ -14,7 +14,7 @@ paper's two distributions) and puts the speedups next to the paper's. See ``docs
     python -m distca.sim --model my_model.json --hardware my_cluster.json --tp 4 --gpus 32 --doclens prolong
     python -m distca.sim --pp                     # 4D: P = 2, 4, 8 stages, M = 2P micro-batches, 30 seeds
     python -m distca.sim --quick --pp             # 4D subset (a few seconds)
-    python -m distca.sim --mode paper --seeds 10  # the paper code's experiment (docs/simulator.md)
+    python -m distca.sim --mode paper --seeds 10  # the paper code's experiment (docs/guides/simulator.md)
     python -m distca.sim --mode both --quick      # paper mode and fair mode side by side
 
 (``python scripts/simulate.py ...`` runs the same.) With --json: one JSON object per (model,

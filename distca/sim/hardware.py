@@ -44,7 +44,7 @@ server's load and ships 1/TP of its bytes (each TP rank ships only its own heads
 
 COST_MODEL = "h200"
 """Stored attention cost model (``distca/data/cost_h200.json``): fitted by ``scripts/calibrate.py``
-to forward + backward kernel times measured on one H200 (``docs/gpu.md``). Backward =
+to forward + backward kernel times measured on one H200 (``docs/records/gpu_h200.md``). Backward =
 ``bwd_factor`` x forward."""
 
 OP_OVERHEAD_S_EXCHANGE = (0.81e-3, 1.62e-3)
@@ -58,7 +58,7 @@ and copied back every row even when no row moved. Kept as a sensitivity point:
 OP_OVERHEAD_S = (0.405e-3, 0.81e-3)
 """Seconds per ``core_attention`` call (forward, backward) beyond its kernels: an estimate for the
 in-place runtime, derived (no GPU measured it). On CPU, the same op-against-bare-kernel measurement
-(``scripts/bench_attention.py --overhead``, ``docs/core_attention.md``) gave 9-15 % forward overhead
+(``scripts/bench_attention.py --overhead``, ``docs/records/core_attention_cpu.md``) gave 9-15 % forward overhead
 on whole and mixed layouts with the exchange runtime (group of 1, the GPU check's case) and at most
 +4.5 % with the in-place runtime (every layout and run since, forward; forward + backward -1.5 to
 +1.2 %): the op's own cost fell by a factor of at least 2 (9 % -> 4.5 %, the least favourable pair;

@@ -18,7 +18,7 @@ run the paper-faithful experiment next to the fair one:
   traffic per rank per layer (:func:`per_doc_cp_traffic`, ``PerDocumentCPAttention``).
 
 Everything returns numpy arrays or frozen dataclasses; no step times are computed here.
-See ``docs/simulator_paper.md`` for where each choice comes from and how it differs from our fair
+See ``docs/guides/simulator_paper.md`` for where each choice comes from and how it differs from our fair
 mode. References are written ``hao-ai-lab/distca: path::function`` (repository at commit 039f2e4).
 """
 
@@ -178,7 +178,7 @@ SETTINGS: dict[str, PaperSetting] = {
         filter_threshold=65536, filter_ratio=0.9, elongate_factor=1, change_long_doc_ratio=0.0, max_sample_id=10,
     ),
 }
-"""The paper code's workload settings by name (see ``docs/simulator_paper.md``)."""
+"""The paper code's workload settings by name (see ``docs/guides/simulator_paper.md``)."""
 
 
 @dataclass(frozen=True)
@@ -671,7 +671,7 @@ STAT_THRESHOLDS = (16 * K, 32 * K, 64 * K, 128 * K)
 
 def workload_stats(docs: np.ndarray, packed: PackedChunks, chunks_per_step: int, n_steps: int) -> dict[str, float]:
     """Summary statistics of a document stream and its packing (the reference figures of
-    ``tests/test_sim_paper.py`` and ``docs/simulator_paper.md``):
+    ``tests/test_sim_paper.py`` and ``docs/guides/simulator_paper.md``):
 
     ``n_docs``, ``mean_len``, ``total_tokens`` of the stream; ``share_gt_{T}k``: share of its tokens
     in documents longer than T; ``n_chunks``; ``docs_per_chunk``: mean pieces per chunk over all but

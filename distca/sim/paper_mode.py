@@ -30,7 +30,7 @@ With ``--pp`` (:func:`simulate_paper_pp_config`): ``M x DP`` chunks per step, WL
 paper's 4D driver balances them (``DP/c x M`` bins under a cap ``M`` times below the mean) on
 Megatron's 1F1B, distca on tick-synchronous 1F1B.
 
-Rows carry ``mode: "paper"``; see ``docs/simulator.md`` ("The paper's setting and the fair one").
+Rows carry ``mode: "paper"``; see ``docs/guides/simulator.md`` ("The paper's setting and the fair one").
 """
 
 from __future__ import annotations

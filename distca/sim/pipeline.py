@@ -4,7 +4,7 @@ P stages of L / P layers each, DP = R / P CA ranks per stage (R = GPUs / TP), M 
 per step. The policies with CAD across stages run tick-synchronously (one CA plan per forward and
 one per backward sub-tick over all DP x PP ranks; idle stages serve attention); the baselines
 without it run Megatron's 1F1B (or GPipe) as a dependency graph. See "Pipeline parallelism (4D)"
-in ``docs/simulator.md``. Seconds unless a name says otherwise.
+in ``docs/guides/simulator.md``. Seconds unless a name says otherwise.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from distca.sim.workloads import Workload, build_layout
 #   the stage / micro-batch set of forward tick M + P - 2 - u and reuses its plan. Every stage holds
 #   all M micro-batches' activations.
 #
-# See docs/simulator.md, "Pipeline parallelism (4D)".
+# See docs/guides/simulator.md, "Pipeline parallelism (4D)".
 
 PP_SCHEDULES = ("1f1b", "gpipe")
 SCHEDULE_NAMES = {"1f1b": "tick-synchronous 1F1B", "gpipe": "tick-synchronous GPipe"}

@@ -2,7 +2,7 @@
 with the speedups between policies and their 95% intervals.
 
 A row is a JSON-able dict per (model, doclens, gpus, context, policy, pingpong); see
-``docs/simulator.md`` for its fields. Seconds per step unless a field says otherwise.
+``docs/guides/simulator.md`` for its fields. Seconds per step unless a field says otherwise.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ BASELINES = ("per_doc_cp", "wlb_cp", "wlb_ideal", "colocated", "pack", "distca")
 """The policies each 3D row carries a ``speedup_vs_<base>`` against."""
 
 # Speedups the paper reports versus WLB-ideal (DistCA Figs. 9-10 via secondary summaries; see
-# docs/simulator.md). 3D = TP + DP (+ CA); 4D adds pipeline parallelism.
+# docs/guides/simulator.md). 3D = TP + DP (+ CA); 4D adds pipeline parallelism.
 PAPER_3D = {"pretrain": (1.07, 1.20), "prolong": (1.05, 1.12)}
 PAPER_4D = {
     ("llama3-8b", "pretrain"): (1.15, 1.30),
