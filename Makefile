@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	touch $(STAMP)
 
 # The main job: torchtitan's llama3 debug model on 2 CPU processes with core
-# attention disaggregation on (train_configs/debug_cpu.toml), about 2 minutes.
+# attention disaggregation on (train_configs/debug_cpu.toml), about 1-2 minutes on 2 cores
+# (1 min 11 s measured: docs/records/torchtitan_cpu.md).
 # The console shows rank 0 (torchrun's filter, as torchtitan's run_train.sh does);
 # every rank: make train LOG_RANK=0,1
 LOG_RANK ?= 0

@@ -4,8 +4,8 @@ An *agreement* is one small collective in which every rank of the group sends a
 fixed-size record (an error flag, named values, an error message) and raises
 ``ValueError`` if any rank had an error or any value differs. The runtime agrees
 once per plan (when it is prepared, or at its first call) and once per step
-(:func:`distca.check`), never per layer call (``docs/guides/core_attention.md``, "When
-bad input is raised"). Every record has the same size whatever its fields, so
+(:func:`distca.check`), never per layer call (``docs/guides/core_attention.md``,
+"Errors"). Every record has the same size whatever its fields, so
 whatever agreement a peer is in, a rank that rejects its input pairs with it
 (and its error reaches the peer).
 """
