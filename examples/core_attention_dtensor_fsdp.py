@@ -43,7 +43,7 @@ class Attention(nn.Module):
             self.wv(x).view(n, self.kv_heads, self.head_dim),
         )
 
-    def forward(self, x: torch.Tensor, plan: distca.DispatchPlan, mesh: DeviceMesh) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: distca.DispatchPlan | torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         # The local rows are this rank's shard of the global stream: Shard(0) on "ca".
         q, k, v = (DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for t in self.qkv(x))
         out = distca.core_attention(q, k, v, None, plan=plan)  # a DTensor, Shard(0)
