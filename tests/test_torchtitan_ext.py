@@ -393,6 +393,25 @@ def test_end_to_end_logs_ca_metrics(two):
 
 
 @pytest.mark.slow
+def test_summary_speedup_is_measured_against_a_run_on_the_same_batches(two, titan_dir, seed_ckpt):
+    """A colocated run on the same batches as ``two`` (same seed checkpoint, data and steps), told
+    ``compare_to`` that run's dump folder: its summary quotes both measured step times and their ratio."""
+    log, _, folder = _from_seed(
+        2, titan_dir, seed_ckpt, "colocated", "--core_attention.policy", "colocated",
+        "--core_attention.compare_to", str(two[2]),
+    )  # fmt: skip
+    summary = log.split("summary: ")[-1]
+    mine = float(re.search(r"speed\s+([0-9.]+) s/step", summary)[1])
+    theirs = json.loads((two[2] / "ca_summary.json").read_text())["step_s"]
+    m = re.search(r"measured    colocated ([0-9.]+) s/step vs distca ([0-9.]+) s/step on the same batches "
+                  r"\((.+)\): speedup ([0-9.]+)x", summary)  # fmt: skip
+    assert m, summary[:3000]
+    assert float(m[1]) == mine and float(m[2]) == pytest.approx(theirs, abs=6e-4) and m[3] == f"{two[2]}/ca_summary.json"
+    assert float(m[4]) == pytest.approx(theirs / mine, abs=2e-3)
+    assert json.loads((folder / "ca_summary.json").read_text())["batches"] == json.loads((two[2] / "ca_summary.json").read_text())["batches"]
+
+
+@pytest.mark.slow
 def test_console_shows_each_line_once_without_noise(two):
     """What the launcher silences at its source stays silent, the memory column is this machine's,
     and MFU is not reported on CPU (the console is torchrun's rank-0 filter, as in make train)."""
