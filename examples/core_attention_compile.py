@@ -57,7 +57,8 @@ def main() -> None:
         optimizer.zero_grad()
         if step == 0:
             graphs_after_first = counters["stats"]["unique_graphs"]
-        dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)
+        loss = loss.detach()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the mean over ranks, for the print
         if rank == 0:
             print(f"step {step}: {len(cu_seqlens) - 1} documents, loss {loss.item():.4f}")
     recompiles = counters["stats"]["unique_graphs"] - graphs_after_first

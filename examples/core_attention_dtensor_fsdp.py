@@ -96,9 +96,9 @@ def main() -> None:
                 model.unshard()  # whole weights outside the FSDP forward
                 q, k, v = model.qkv(x.to(dtype))
                 model.reshard()
-                out = distca.core_attention(*(DTensor.from_local(t, mesh, [Shard(0)]) for t in (q, k, v)), None, plan=plan)
-                full = [DTensor.from_local(t, mesh, [Shard(0)]).full_tensor() for t in (q, k, v)]
-                ref = reference(*full, cu_seqlens)
+                q, k, v = (DTensor.from_local(t, mesh, [Shard(0)]) for t in (q, k, v))
+                out = distca.core_attention(q, k, v, None, plan=plan)
+                ref = reference(q.full_tensor(), k.full_tensor(), v.full_tensor(), cu_seqlens)
                 err = (out.full_tensor().double() - ref).abs().max().item()
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             if rank == 0:
@@ -110,9 +110,11 @@ def main() -> None:
         distca.check(plan)  # after the backward, before the optimizer: a bad call raises on every rank
         optimizer.step()
         optimizer.zero_grad()
-        dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)
+        loss = loss.detach()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the mean over ranks, for the print
         if rank == 0:
-            print(f"step {step}: {len(cu_seqlens) - 1} documents, imbalance {plan.plan.imbalance:.3f}, loss {loss.item():.4f}")
+            docs, imbalance = len(cu_seqlens) - 1, plan.plan.imbalance
+            print(f"step {step}: {docs} documents, imbalance {imbalance:.3f}, loss {loss.item():.4f}")
     dist.destroy_process_group()
 
 

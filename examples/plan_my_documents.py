@@ -29,11 +29,15 @@ def main() -> None:
     ap.add_argument("--tokens-per-rank", type=int, default=8192)
     ap.add_argument("--gpus", type=int, default=64, help="simulated GPUs (TP 8 per CA rank)")
     args = ap.parse_args()
-    workload = load_workload(args.doclens) if args.doclens else Workload("built-in", np.asarray(BUILT_IN, dtype=np.int64))
+    if args.doclens:
+        workload = load_workload(args.doclens)  # the simulator's reader: its formats and its errors
+    else:
+        workload = Workload("built-in", np.asarray(BUILT_IN, dtype=np.int64))
     lengths = workload.lengths
 
-    # 1. One step of your documents, planned by each policy: modelled attention time per rank
-    #    (max / mean: imbalance, 1.0 is perfect) and the bytes the plan moves per layer.
+    # 1. One step of your documents, planned by each policy: the modelled attention time per rank
+    #    (max / mean: imbalance, 1.0 is even) and the bytes one layer moves between all ranks,
+    #    for Llama-3-8B's heads (distca.plan's default shape; the CPU cost model).
     layout = distca.Layout.from_doclens(lengths, ranks=args.ranks, tokens_per_rank=args.tokens_per_rank)
     print(f"{len(lengths)} documents, {int(lengths.sum()):,} tokens; one step: {layout.num_docs} documents "
           f"on {args.ranks} ranks x {args.tokens_per_rank:,} tokens")  # fmt: skip
