@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import run_script
+from dist_utils import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "<!-- example: examples/quickstart.py -->"
