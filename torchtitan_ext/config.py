@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal, get_args
 
 from distca.planner import POLICIES
+from torchtitan_ext.report import load_summary
 from torchtitan_ext.ticks import TICK_SCHEDULES
 
 __all__ = [
@@ -97,6 +98,12 @@ class CoreAttention:
     summation order), identical on every rank, and checkpoint-neutral. Applies only with
     ``enable = true``; the metrics row gets ``ca/placement_imbalance_before`` and ``_after``."""
 
+    compare_to: str = ""
+    """A previous run's dump folder (or its ``ca_summary.json``, which every run writes): the closing
+    summary then prints the measured speedup of this run's steps over that run's, when both trained
+    the same batches (dataset, seed, sequence length, batch sizes, steps), e.g. a run with
+    ``policy = "colocated"`` or core attention off. "": none (the summary says how to get one)."""
+
 
 @dataclass
 class JobConfig:
@@ -137,7 +144,7 @@ def _check_types(cfg: CoreAttention) -> None:
 _TYPES = {
     "enable": bool, "degree": int, "across_stages": bool, "policy": str, "tolerance": float, "mode": str,
     "backend": str, "min_shard": int, "pingpong": bool, "nano_batches": int, "capacity_mib": float, "cost_model": str,
-    "placement": str,
+    "placement": str, "compare_to": str,
 }  # fmt: skip
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
@@ -193,6 +200,8 @@ def validate(
         raise ValueError(
             f"core_attention.placement={cfg.placement!r} is unknown; choose one of {list(get_args(PlacementName))}"
         )
+    if cfg.compare_to:  # read now, not after the run
+        load_summary(cfg.compare_to)
     if cfg.mode not in get_args(Mode):
         raise ValueError(f"core_attention.mode={cfg.mode!r} is unknown; choose one of {list(get_args(Mode))}")
     if isinstance(cfg.tolerance, bool) or not isinstance(cfg.tolerance, (int, float)) or not 0 <= cfg.tolerance < 1:

@@ -4,17 +4,23 @@ collects (pure: no torch.distributed; the trainer gathers the per-rank times fir
 
 Units: seconds per training step, summed over layers, forward plus backward, unless a name says
 otherwise. "Modelled" means the job's cost model (``[core_attention] cost_model``), as the
-planner uses it; "measured" means this run's clocks.
+planner uses it; "measured" means this run's clocks. A speedup is printed only when measured:
+this run's step time against another run's on the same batches (``--core_attention.compare_to``,
+that run's ``ca_summary.json``, written by every run).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["RunRecord", "StepRecord", "summary_lines", "plot"]
+__all__ = ["RunRecord", "StepRecord", "SUMMARY_JSON", "summary_json", "load_summary", "summary_lines", "plot"]
+
+SUMMARY_JSON = "ca_summary.json"
+"""The file every run writes in its dump folder, for a later run's ``compare_to``."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,9 @@ class RunRecord:
     measured_rank_attn_s: tuple[float, ...] = ()
     """Mean measured CA seconds per step of each rank of the group (gathered at the end)."""
     tensorboard_dir: str | None = None
+    batches: dict = field(default_factory=dict)
+    """What fixes the run's batches (dataset, seed, sequence length, batch sizes, steps): two runs
+    with equal ``batches`` train on the same tokens, whatever their policy."""
 
 
 def _timed(run: RunRecord) -> list[StepRecord]:
@@ -72,8 +81,29 @@ def _timed(run: RunRecord) -> list[StepRecord]:
     return run.steps[1:] or run.steps
 
 
-def summary_lines(run: RunRecord, plot_path: str | None = None) -> list[str]:
-    """The closing summary, one string per line."""
+def summary_json(policy: str, step_seconds: list[float], batches: dict) -> dict:
+    """What another run compares itself with: the policy (``"off"``: core attention off), the
+    measured seconds per step (mean over steps 2.., as the summary) and the batches."""
+    timed = step_seconds[1:] or step_seconds
+    return {"policy": policy, "step_s": float(np.mean(timed)), "steps": len(step_seconds), "batches": batches}
+
+
+def load_summary(path: str | Path) -> dict:
+    """A run's :func:`summary_json`: ``path`` is the file or the dump folder holding it."""
+    p = Path(path)
+    p = p / SUMMARY_JSON if p.is_dir() else p
+    try:
+        got = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"core_attention.compare_to={str(path)!r}: cannot read a run summary at {p} ({e})") from None
+    if not isinstance(got, dict) or not {"policy", "step_s", "batches"} <= set(got):
+        raise ValueError(f"core_attention.compare_to={str(path)!r}: {p} is not a {SUMMARY_JSON} of a run")
+    return {**got, "path": str(p)}
+
+
+def summary_lines(run: RunRecord, plot_path: str | None = None, baseline: dict | None = None) -> list[str]:
+    """The closing summary, one string per line. ``baseline``: another run's :func:`load_summary`,
+    for a measured speedup when it trained on the same batches."""
     if not run.steps:
         return ["summary: no step ran"]
     steps = _timed(run)
@@ -99,21 +129,20 @@ def summary_lines(run: RunRecord, plot_path: str | None = None) -> list[str]:
     if timed:
         attn = float(np.mean(timed))
         lines.append(f"  attention   {attn:.3f} s/step on this rank, {100 * attn / step_s:.0f}% of the step (measured)")
-        # Without CAD the rest of the step (linear layers, optimizer, FSDP) is the same, and
-        # attention takes the modelled slowest-rank ratio longer than it measured with CAD.
-        per = [s.step_s + s.attn_s * (s.model_colocated_s / s.model_s - 1.0)
-               for s in steps if s.attn_s is not None and s.model_s > 0]  # fmt: skip
-        without = float(np.mean(per)) if per else step_s  # no modelled attention: nothing to compare
-        lines += [
-            f"  modelled    without CAD ~{without:.3f} s/step: CAD {without / step_s:.2f}x faster (the slowest rank's "
-            f"attention {model_col:.3f} -> {model_cad:.3f} s/step",
-            f"              under cost model {run.cost_model!r}, bytes charged; that ratio applied to the measured attention)",
-        ]
     else:
+        lines.append("  attention   not timed (compiled, or ping-pong's phases interleave with the rest of the layer)")
+    R = run.group_size
+    if len(run.measured_rank_attn_s) == R and min(run.measured_rank_attn_s) > 0:
+        per_rank = np.asarray(run.measured_rank_attn_s)
         lines.append(
-            f"  modelled    slowest rank's attention {model_col:.3f} s/step without CAD -> {model_cad:.3f} s/step "
-            f"with it (cost model {run.cost_model!r}; attention is not timed compiled or with ping-pong)"
+            f"  balance     {per_rank.max() / per_rank.mean():.3f} max/mean of the ranks' measured attention "
+            f"({', '.join(f'{x:.3f}' for x in per_rank)} s/step)"
         )
+    lines.append(
+        f"  model       slowest rank's attention {model_col:.3f} s/step without CAD -> {model_cad:.3f} s/step with it "
+        f"(cost model {run.cost_model!r}, bytes charged; a model, not a measurement)"
+    )
+    lines.append(_measured_speedup(run, step_s, baseline))
     exposed = [s.exposed_comm_s for s in steps if s.exposed_comm_s is not None]
     if exposed:
         lines.append(
@@ -129,6 +158,23 @@ def summary_lines(run: RunRecord, plot_path: str | None = None) -> list[str]:
     if plot_path:
         lines.append(f"  plot        {plot_path}")
     return lines
+
+
+def _measured_speedup(run: RunRecord, step_s: float, baseline: dict | None) -> str:
+    if baseline is None:
+        return (
+            '  measured    no baseline: train the same batches with policy = "colocated" (or core attention off), '
+            "then pass --core_attention.compare_to <its dump folder>"
+        )
+    where = baseline["path"]
+    if baseline["batches"] != run.batches:
+        differ = sorted(k for k in {*baseline["batches"], *run.batches} if baseline["batches"].get(k) != run.batches.get(k))
+        return f"  measured    no speedup: {where} trained other batches ({', '.join(differ)} differ)"
+    base = float(baseline["step_s"])
+    return (
+        f"  measured    {run.policy} {step_s:.3f} s/step vs {baseline['policy']} {base:.3f} s/step on the same batches "
+        f"({where}): speedup {base / step_s:.3f}x"
+    )
 
 
 def plot(run: RunRecord, path: str | Path) -> Path:

@@ -20,6 +20,7 @@ from torchtitan_ext import _compat
 _compat.apply()
 
 import dataclasses  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
@@ -430,6 +431,17 @@ class CoreAttentionTrainer(Trainer):
         the PNG of :func:`torchtitan_ext.report.plot` in the dump folder."""
         st = self.run_stats
         tr = self.job_config.training
+        folder = Path(self.job_config.job.dump_folder)
+        batches = self._batches()
+        compare_to = self.ca.cfg.compare_to if self.ca is not None else ""
+        baseline = report.load_summary(compare_to) if compare_to else None  # before this run's own is written
+        if torch.distributed.get_rank() == 0 and st.step_seconds:
+            # For a later run's --core_attention.compare_to: a speedup is quoted only when measured.
+            policy = self.ca.cfg.policy if self.ca is not None else "off"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / report.SUMMARY_JSON).write_text(
+                json.dumps(report.summary_json(policy, st.step_seconds, batches), indent=1) + "\n"
+            )
         if self.ca is None:
             steps = st.step_seconds[1:] or st.step_seconds
             if steps:
@@ -444,6 +456,7 @@ class CoreAttentionTrainer(Trainer):
                 policy=self.ca.cfg.policy, group_size=self.ca.size, layers=self.model_args.n_layers,
                 tokens_per_step=tr.seq_len * tr.local_batch_size * self.gradient_accumulation_steps,
                 cost_model=self.ca.cost_model.name, steps=st.records, tensorboard_dir=self._tensorboard_dir(),
+                batches=batches,
             )  # fmt: skip
             timed = [r.attn_s for r in st.records[1:] if r.attn_s is not None]
             mine = float(np.mean(timed)) if timed else float("nan")
@@ -454,13 +467,22 @@ class CoreAttentionTrainer(Trainer):
                 run.measured_rank_attn_s = tuple(float(x) for x in got)
             path = None
             if torch.distributed.get_rank() == 0 and st.records:
-                path = str(report.plot(run, Path(self.job_config.job.dump_folder) / "ca_summary.png"))
-            lines = report.summary_lines(run, path)
+                path = str(report.plot(run, folder / "ca_summary.png"))
+            lines = report.summary_lines(run, path, baseline)
         if st.graphs:
             # A new plan every step must not recompile: the plan reaches compiled code as a tensor.
             lines.append(f"  compile     torch.compile: {st.graphs[0]} graphs in step 1, {st.graphs[-1] - st.graphs[0]} more after")
         for line in lines:
             logger.info(line)
+
+    def _batches(self) -> dict:
+        """What fixes this run's batches: two runs with the same values trained on the same tokens."""
+        tr, jc = self.job_config.training, self.job_config
+        return {
+            "dataset": tr.dataset, "dataset_path": tr.dataset_path, "seed": jc.debug.seed, "seq_len": tr.seq_len,
+            "local_batch_size": tr.local_batch_size, "global_batch_size": tr.global_batch_size,
+            "dp": self.parallel_dims.dp_shard * self.parallel_dims.dp_replicate, "steps": len(self.run_stats.step_seconds),
+        }  # fmt: skip
 
     def _tensorboard_dir(self) -> str | None:
         for lg in getattr(self.metrics_processor.logger, "_loggers", []):
