@@ -1,8 +1,16 @@
 """The tests' distributed launcher: ``distca._spawn.run`` (real gloo groups, file rendezvous, timeouts)."""
 
+import sys
+from pathlib import Path
+
 from distca._spawn import run as run_workers
 
-__all__ = ["run_cases", "run_workers"]
+# The collective counter lives with the scripts (scripts/bench_attention.py counts with it too,
+# and a script cannot import tests/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from collective_counter import COLLECTIVES, Call, Calls, count_collectives  # noqa: E402
+
+__all__ = ["COLLECTIVES", "Call", "Calls", "count_collectives", "run_cases", "run_workers"]
 
 
 def _each(rank, world, fn, cases):

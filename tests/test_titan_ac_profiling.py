@@ -50,29 +50,28 @@ _LOSS = re.compile(r"step:\s+(\d+)\s+loss:\s+(-?[0-9.]+)\s+grad_norm:\s+([0-9.]+
 
 
 def _counting_launcher() -> None:
-    """``torchtitan_ext.train`` with every ``all_to_all_single`` counted; writes this rank's counts
-    to ``$DISTCA_TEST_A2A_COUNTS.rank<R>.json`` when training has completed."""
-    import torch.distributed as dist
-
-    counts = {"total": 0, "backward": 0, "blocking": 0, "blocking_backward": 0}
-    original = dist.all_to_all_single
-
-    def all_to_all_single(*args, async_op: bool = False, **kwargs):
-        # Inside autograd's backward, where the recompute of a checkpointed block runs too.
-        backward = torch._C._current_graph_task_id() != -1
-        counts["total"] += 1
-        counts["backward"] += backward
-        # distca's exchanges are asynchronous; its agreements (a plan's first call or binding,
-        # distca.check) are the blocking ones, and none may run inside a backward.
-        counts["blocking"] += not async_op
-        counts["blocking_backward"] += backward and not async_op
-        return original(*args, async_op=async_op, **kwargs)
-
-    # distca looks it up as a module attribute at call time (exchange and agreement alike).
-    dist.all_to_all_single = all_to_all_single
+    """``torchtitan_ext.train`` with every ``all_to_all_single`` counted (and every other collective
+    in backward); writes this rank's counts to ``$DISTCA_TEST_A2A_COUNTS.rank<R>.json`` when
+    training has completed."""
+    from dist_utils import count_collectives
     from torchtitan_ext.train import run
 
-    run()
+    with count_collectives() as calls:
+        run()
+    a2a = "all_to_all_single"
+    counts = {
+        "total": calls.count(a2a),
+        # Inside autograd's backward, where the recompute of a checkpointed block runs too.
+        "backward": calls.count(a2a, backward=True),
+        # distca's exchanges are asynchronous; its agreements (a plan's first call or binding,
+        # distca.check) are the blocking ones, and none may run inside a backward.
+        "blocking": calls.count(a2a, async_op=False),
+        "blocking_backward": calls.count(a2a, backward=True, async_op=False),
+        # FSDP's gradient reduce-scatters and the like are not called through torch.distributed's
+        # namespace; what is (torchtitan's loss and grad-norm all-reduces run outside backward) must
+        # be the same with and without checkpointing.
+        "other_backward": sum(c.backward and c.name != a2a for c in calls),
+    }
     Path(f"{os.environ[_COUNTS_ENV]}.rank{os.environ['RANK']}.json").write_text(json.dumps(counts))
 
 

@@ -526,11 +526,11 @@ def _sac_worker(rank, world):
     with the CA op saved (MUST_SAVE; eager and compiled) or recomputed (eager, the control)."""
     from functools import partial
 
-    import torch.distributed as dist
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
     import distca
     from distca import kernels
+    from dist_utils import count_collectives
 
     T, H, D = 64, 2, 8
     # per_doc_cp splits both documents over both ranks: the op exchanges rows every call.
@@ -538,19 +538,16 @@ def _sac_worker(rank, world):
     dp = distca.prepare(torch.tensor([0, 100, 2 * T]), policy="per_doc_cp", spec=distca.CallSpec(H, H, D, torch.float32))
     torch.manual_seed(0)
     x, w = torch.randn(T, H * D), torch.randn(H * D, 3 * H * D) / 4
-    counts = {"kernel_fwd": 0, "all_to_all": 0}
+    counts = {"kernel_fwd": 0}
+    kernel = kernels.varlen_attn_forward
 
-    def counting(name, fn):
-        def wrapped(*args, **kwargs):
-            counts[name] += 1
-            return fn(*args, **kwargs)
-
-        return wrapped
+    def counting_kernel(*args, **kwargs):
+        counts["kernel_fwd"] += 1
+        return kernel(*args, **kwargs)
 
     # Both are looked up as module attributes at call time (kernels.varlen_attn_forward in the op,
-    # dist.all_to_all_single in distca.dispatch), so these count real executions only, compiled too.
-    kernels.varlen_attn_forward = counting("kernel_fwd", kernels.varlen_attn_forward)
-    dist.all_to_all_single = counting("all_to_all", dist.all_to_all_single)
+    # the collectives in torch.distributed), so these count real executions only, compiled too.
+    kernels.varlen_attn_forward = counting_kernel
 
     def f(x, handle):
         q, k, v = (x @ w).view(T, 3, H, D).unbind(1)
@@ -574,10 +571,12 @@ def _sac_worker(rank, world):
             torch._dynamo.reset()
             fn = torch.compile(fn, backend="inductor", fullgraph=True)
             fn(x.clone().requires_grad_(), dp.handle).backward()  # compile outside the counts
-        counts.update(kernel_fwd=0, all_to_all=0)
+        counts.update(kernel_fwd=0)
         xg = x.clone().requires_grad_()
-        fn(xg, dp.handle).backward()
-        results[name] = (xg.grad.numpy(), dict(counts))  # numpy: tensors do not outlive the worker
+        with count_collectives() as calls:
+            fn(xg, dp.handle).backward()
+        n = dict(counts, all_to_all=calls.count("all_to_all_single"), collectives=len(calls))
+        results[name] = (xg.grad.numpy(), n)  # numpy: tensors do not outlive the worker
     return results
 
 
@@ -592,6 +591,7 @@ def test_sac_saves_ca_op_outputs_and_skips_it_in_recompute():
     for res in run_workers(_sac_worker, 2, timeout=240):
         (g_none, n_none), (g_rec, n_rec) = res["none"], res["recompute"]
         assert n_none["kernel_fwd"] == 1 and n_none["all_to_all"] > 0, n_none  # rows really move
+        assert n_none["collectives"] == n_none["all_to_all"], n_none  # spec agreed: the exchange's calls only
         # The control: recomputing the op runs its kernel and forward all-to-alls again.
         assert n_rec["kernel_fwd"] == 2 and n_rec["all_to_all"] > n_none["all_to_all"], n_rec
         for name in ("save", "compiled_save"):
