@@ -274,16 +274,45 @@ def test_profiler_patch_drops_the_missing_device_activity():
     assert tp.torch.cuda is torch.cuda and tp.torch.profiler.schedule is torch.profiler.schedule
 
 
-def _exchange_ranges() -> list[str]:
-    """``record_function`` ranges that decorate distca's exchange phases, if it has any."""
-    return re.findall(r'@record_function\("(distca::[^"]+)"\)', (ROOT / "distca/exchange.py").read_text())
+# The profiler ranges distca's exchange marks (docs: distca/exchange.py's module docstring).
+EXCHANGE_RANGES = {
+    "distca::dispatch", "distca::serve", "distca::land",
+    "distca::dispatch_bwd", "distca::serve_bwd", "distca::land_bwd", "distca::wait",
+}  # fmt: skip
+
+
+def _profiled_worker(rank, world):
+    """One core attention forward + backward under ``torch.profiler`` (CPU); the names of the
+    distca ranges in its trace. per_doc_cp splits both documents over both ranks, so every rank
+    dispatches, serves and lands rows both ways, and waits for them."""
+    import distca
+
+    T, H, D = 64, 2, 8
+    dp = distca.prepare(torch.tensor([0, 100, 2 * T]), policy="per_doc_cp", spec=distca.CallSpec(H, H, D, torch.float32))
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(T, H, D, generator=g).requires_grad_() for _ in range(3))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        distca.core_attention(q, k, v, None, plan=dp).square().sum().backward()
+    distca.check(dp)
+    return dp.plan.traffic.total_bytes > 0, sorted({e.name for e in prof.events() if e.name.startswith("distca::")})
+
+
+@pytest.mark.slow
+def test_exchange_phases_are_profiler_ranges():
+    """A real trace of a 2-process gloo forward + backward has every exchange phase's range (and
+    the waits'): a renamed or dropped ``record_function`` fails here."""
+    from dist_utils import run_workers
+
+    for moves, names in run_workers(_profiled_worker, 2, timeout=120):
+        assert moves
+        assert EXCHANGE_RANGES <= set(names), sorted(EXCHANGE_RANGES - set(names))
 
 
 @pytest.mark.slow
 def test_profiling_writes_a_chrome_trace(op_sac):
     """``--profiling.enable_profiling`` on CPU: torchtitan writes each rank's chrome trace of step 2,
-    with CPU ops, the step's collectives and core attention's ops (and the exchange phases' ranges
-    when distca/exchange.py marks them)."""
+    with CPU ops, the step's collectives, core attention's ops and the exchange phases' ranges
+    (``test_exchange_phases_are_profiler_ranges`` checks each of them in a trace of its own)."""
     log, _, _ = op_sac
     folder = Path(re.search(r"Traces will be saved at (\S+)", log)[1]) / "iteration_2"
     assert sorted(p.name for p in folder.iterdir()) == ["rank0_trace.json", "rank1_trace.json"]
@@ -293,7 +322,7 @@ def test_profiling_writes_a_chrome_trace(op_sac):
     assert len(ops) > 1000 and "aten::mm" in names, len(ops)
     assert any(n and n.startswith("ProfilerStep#") for n in names)
     assert {"distca::core_attention_fwd", "distca::core_attention_bwd", "c10d::alltoall_base_"} <= names
-    assert set(_exchange_ranges()) <= names, sorted(n for n in names if n and n.startswith("distca::"))
+    assert EXCHANGE_RANGES <= names, sorted(n for n in names if n and n.startswith("distca::"))
 
 
 if __name__ == "__main__":
