@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -81,15 +79,11 @@ def _counting_launcher() -> None:
 def _run(folder: Path, *args: str, nproc: int = 2, config: str = "train_configs/debug_cpu.toml"):
     """One counted torchrun; returns (rank 0's log, per-rank all-to-all counts, [loss, grad norm]
     of every step; the loss is -1 on a first pipeline stage)."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-        "--local-ranks-filter", "0", __file__, "--job.config_file", config, "--job.dump_folder", str(folder),
-        *_COMMON, *args,
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{_COUNTS_ENV: str(folder / "a2a")})
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
-    log = r.stdout + r.stderr
-    assert r.returncode == 0 and "Training completed" in log, log[-6000:]
+    import _titan as tt
+
+    _, log, _ = tt.torchrun(nproc, folder, *_COMMON, *args, launcher=(__file__,), config=config,
+                            env={_COUNTS_ENV: str(folder / "a2a")})  # fmt: skip
+    assert "Training completed" in log, log[-6000:]
     counts = [json.loads((folder / f"a2a.rank{i}.json").read_text()) for i in range(nproc)]
     steps = _LOSS.findall(log)
     assert [int(s) for s, _, _ in steps] == list(range(1, _STEPS + 1)), log[-4000:]
