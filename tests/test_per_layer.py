@@ -18,7 +18,7 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from dist_utils import count_collectives, run_workers
+from dist_utils import COLLECTIVES, P2P_OPS, count_collectives, run_workers
 
 _READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "cpu")
 
@@ -49,7 +49,7 @@ class _Recorder:
     def install(self) -> "_Recorder":
         import distca.kernels as kernels
 
-        self.counted = self._stack.enter_context(count_collectives(run=self._collective))
+        self.counted = self._stack.enter_context(count_collectives(COLLECTIVES + P2P_OPS, run=self._collective))
         for name in _READS:
             self._saved[(torch.Tensor, name)] = getattr(torch.Tensor, name)
             setattr(torch.Tensor, name, self._read(name, getattr(torch.Tensor, name)))

@@ -8,7 +8,6 @@ checkpointing saves the CA op's outputs instead of re-running it.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 
