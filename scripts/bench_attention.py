@@ -638,8 +638,6 @@ def _print_overhead(args: argparse.Namespace, rows: list[dict]) -> None:
 def _checks_worker(rank: int, world: int, repeats: int, layers: int) -> dict:
     """Seconds per agreement of each kind, and the collectives one step of ``layers`` calls runs
     on an agreed plan that moves nothing (default) and with ``verify="every_call"``."""
-    import torch.distributed as dist
-
     import distca
 
     T, spec = 256, distca.CallSpec(4, 2, 16, torch.float32)
@@ -664,23 +662,14 @@ def _checks_worker(rank: int, world: int, repeats: int, layers: int) -> dict:
         "call_default_s": per_call(lambda: distca.core_attention(q, k, v, None, plan=dp)),
         "call_every_call_s": per_call(lambda: distca.core_attention(q, k, v, None, plan=dpe)),
     }
-    counted = {"n": 0}
-    a2a = dist.all_to_all_single
+    from collective_counter import count_collectives  # scripts/, where this file runs from
 
-    def counting(*a, **kw):
-        counted["n"] += 1
-        return a2a(*a, **kw)
-
-    dist.all_to_all_single = counting
-    try:
-        for name, p in (("default", distca.prepare(cu, spec=spec)), ("every_call", distca.prepare(cu, verify="every_call"))):
-            counted["n"] = 0
+    for name, p in (("default", distca.prepare(cu, spec=spec)), ("every_call", distca.prepare(cu, verify="every_call"))):
+        with count_collectives() as calls:  # every collective, not only the all-to-alls
             for _ in range(layers):
                 distca.core_attention(q, k, v, None, plan=p)
             distca.check(p)
-            row[f"collectives_{name}"] = counted["n"]
-    finally:
-        dist.all_to_all_single = a2a
+        row[f"collectives_{name}"] = len(calls)
     return row
 
 

@@ -12,7 +12,10 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -38,18 +41,32 @@ def _validation(nproc: int) -> list[str]:
 _SDPA_LAUNCHER = (str(ROOT / "tests/sdpa_reference_train.py"),)  # test-only: one process, plain SDPA
 
 
-def _torchrun(nproc: int, folder: Path, *args: str, timeout: float = 240, launcher: tuple[str, ...] = _LAUNCHER) -> str:
+def torchrun(
+    nproc: int, folder: Path, *args: str, launcher: tuple[str, ...] = _LAUNCHER,
+    config: str = "train_configs/debug_cpu.toml", flags: tuple[str, ...] = ("--local-ranks-filter", "0"),
+    env: dict[str, str] | None = None, timeout: float = 240, check: bool = True,
+) -> tuple[int, str, float]:  # fmt: skip
+    """The suite's one torchtitan launcher: ``torchrun --standalone`` (a free port, so runs side by
+    side never meet) of ``launcher`` on ``nproc`` processes with torchrun's ``flags`` (default:
+    rank 0's output only), one thread each. Returns (exit code, log, wall seconds); with ``check``
+    the run must have completed training (or written the seed checkpoint)."""
     cmd = [
-        PY, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--local-ranks-filter", "0",
-        *launcher, "--job.config_file", "train_configs/debug_cpu.toml",
-        "--training.seq_len", str(_WINDOW // nproc), "--job.dump_folder", str(folder), *_COMMON, *args,
+        PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *flags, *launcher,
+        "--job.config_file", config, "--job.dump_folder", str(folder), *args,
     ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))  # fmt: skip
     log = r.stdout + r.stderr
-    assert r.returncode == 0, log[-6000:]
-    assert "Training completed" in log or "Created seed checkpoint" in log, log[-6000:]
-    return log
+    if check:
+        assert r.returncode == 0, log[-6000:]
+        assert "Training completed" in log or "Created seed checkpoint" in log, log[-6000:]
+    return r.returncode, log, time.monotonic() - t0
+
+
+def _torchrun(nproc: int, folder: Path, *args: str, **kw) -> str:
+    """A run of this file's setting (``_STEPS`` steps of ``_WINDOW`` tokens over ``nproc`` ranks); its log."""
+    return torchrun(nproc, folder, "--training.seq_len", str(_WINDOW // nproc), *_COMMON, *args, **kw)[1]
 
 
 def _scalars(folder: Path) -> dict[str, dict[int, float]]:
@@ -71,13 +88,29 @@ def _losses(run) -> list[float]:
 # compares its runs with the same "two" run.
 
 
-def _from_seed(nproc: int, titan_dir: Path, seed_ckpt: Path, name: str, *args: str, launcher=_LAUNCHER):
+def _from_seed(nproc: int, titan_dir: Path, seed_ckpt: Path, name: str, *args: str, common=None, **kw):
+    """A run from the seed checkpoint in ``titan_dir / name``: (log, TensorBoard scalars, folder).
+    ``common``: the run's setting flags (default: this file's, with no checkpoint written)."""
     folder = titan_dir / name
-    log = _torchrun(
-        nproc, folder, "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_ckpt),
-        "--checkpoint.interval", "100000", *args, launcher=launcher,
-    )  # fmt: skip
+    if common is None:
+        common = ("--training.seq_len", str(_WINDOW // nproc), *_COMMON, "--checkpoint.interval", "100000")
+    _, log, _ = torchrun(
+        nproc, folder, *common, "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_ckpt), *args, **kw
+    )
     return log, _scalars(folder), folder
+
+
+def _assert_resumes(launch, folder: Path, ckpt: Path, full, steps: int) -> None:
+    """Resume from the full checkpoint ``ckpt`` (``.../step-N``: model, optimizer, lr, step, data
+    loader) by ``launch(folder, *flags)``: steps N+1..``steps`` log the uninterrupted run's losses."""
+    assert ckpt.is_dir(), sorted(p.name for p in ckpt.parent.iterdir())
+    n = int(ckpt.name.removeprefix("step-"))
+    launch(folder, "--checkpoint.enable", "--checkpoint.initial_load_path", str(ckpt),
+           "--checkpoint.no-initial_load_model_only", "--checkpoint.interval", "100000")  # fmt: skip
+    tag = "loss_metrics/global_avg_loss"
+    resumed, want = _scalars(folder)[tag], full[1][tag]
+    assert n < steps and sorted(resumed) == list(range(n + 1, steps + 1)), (n, sorted(resumed))
+    assert [resumed[s] for s in sorted(resumed)] == pytest.approx([want[s] for s in sorted(resumed)], rel=1e-6)
 
 
 def _job(ca=None, **training):

@@ -1,9 +1,17 @@
 """The tests' launchers: ``distca._spawn.run`` (real gloo groups, file rendezvous, timeouts) and
 :func:`run_script` (a script under torchrun, as a user runs it)."""
 
+import sys
+from pathlib import Path
+
 from distca._spawn import run as run_workers
 
-__all__ = ["run_cases", "run_script", "run_workers"]
+# The collective counter lives with the scripts (scripts/bench_attention.py counts with it too,
+# and a script cannot import tests/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from collective_counter import COLLECTIVES, P2P_OPS, Call, Calls, count_collectives  # noqa: E402
+
+__all__ = ["COLLECTIVES", "P2P_OPS", "Call", "Calls", "count_collectives", "run_cases", "run_script", "run_workers"]
 
 
 def _each(rank, world, fn, cases):

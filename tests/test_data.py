@@ -55,6 +55,27 @@ class ListStream:
         return np.arange(self.lens[k], dtype=np.int64) + 1000 * index  # unique per (doc, offset)
 
 
+def _assert_resumes(make, steps: int = 5, at: int = 2) -> dict:
+    """The state-dict round trip of a dataset or data loader: ``make()`` builds a fresh one; the
+    state after ``at`` items, loaded into another fresh one, draws the uninterrupted run's items
+    ``at``..``steps - 1`` exactly (keys, tensors, labels). Returns that state."""
+    from itertools import islice
+
+    ref = list(islice(make(), steps))
+    src = make()
+    it = iter(src)
+    for _ in range(at):
+        next(it)
+    state = src.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    got = list(islice(resumed, steps - at))
+    assert len(ref) == steps and len(got) == steps - at, (len(ref), len(got))  # zip below cuts nothing
+    for (da, la), (db, lb) in zip(ref[at:], got):
+        assert da.keys() == db.keys() and all(torch.equal(da[k], db[k]) for k in da) and torch.equal(la, lb)
+    return state
+
+
 def _flat(stream, ndocs):
     """Concatenated stream tokens and the doc index of each token."""
     docs = [stream.doc(i) for i in range(ndocs)]
@@ -193,12 +214,8 @@ def test_items_carry_the_next_layout_without_moving_the_state(nano):
                 assert torch.equal(prev[f"next_{k}"], d[k]), k
         prev = d
         states.append(ds.state_dict())
-    resumed = CAPackedDataset(stream, group=0, ca_rank=1, ca_degree=2, seq_len=64, nano_batches=nano)
-    resumed.load_state_dict(states[1])
-    d2, _ = next(iter(resumed))
-    fresh = iter(CAPackedDataset(stream, group=0, ca_rank=1, ca_degree=2, seq_len=64, nano_batches=nano))
-    want = [next(fresh)[0] for _ in range(3)][2]
-    assert d2.keys() == want.keys() and all(torch.equal(d2[k], want[k]) for k in want)
+    state = _assert_resumes(lambda: CAPackedDataset(stream, group=0, ca_rank=1, ca_degree=2, seq_len=64, nano_batches=nano))
+    assert state == states[1]  # the state after item 2 whether or not item 3 was looked ahead at
 
 
 # ---- sources -----------------------------------------------------------------------------------
@@ -344,18 +361,7 @@ def test_dataloader_ranks_share_the_group_window_and_resume(tok, name):
         assert not torch.equal(batches[0][step][0]["input"], d2["input"])
 
     # Resume: state after 2 steps, fresh loader, next batches identical to an uninterrupted run.
-    ld = loader(3)
-    it = iter(ld)
-    ref = [next(it) for _ in range(5)]
-    ld2 = loader(3)
-    it2 = iter(ld2)
-    [next(it2) for _ in range(2)]
-    sd = ld2.state_dict()
-    ld3 = loader(3)
-    ld3.load_state_dict(sd)
-    resumed = [b for _, b in zip(range(3), ld3)]
-    for (da, la), (db, lb) in zip(ref[2:], resumed):
-        assert all(torch.equal(da[k], db[k]) for k in da) and torch.equal(la, lb)
+    _assert_resumes(lambda: loader(3))
 
 
 def test_dataset_rejects_mismatched_checkpoint():
@@ -556,23 +562,17 @@ def test_placed_items_carry_the_placed_next_layout_and_resume(nano, M):
 
     a, plain = ds(), ds("none")
     ia, ip = iter(a), iter(plain)
-    ref, states, prev = [], [], None
+    states, prev = [], None
     for _ in range(5):
-        d, lab = next(ia)
+        d, _ = next(ia)
         next(ip)
-        ref.append((d, lab))
         states.append(a.state_dict())
         assert states[-1] == plain.state_dict()
         if prev is not None:
             keys = [k for k in d if k in LAYOUT_KEYS or k.startswith(("cu_seqlens_", "context_"))]
             assert keys and all(torch.equal(prev[f"next_{k}"], d[k]) for k in keys)
         prev = d
-    resumed = ds()
-    resumed.load_state_dict(states[1])
-    it = iter(resumed)
-    for d, lab in ref[2:]:
-        d2, lab2 = next(it)
-        assert d2.keys() == d.keys() and all(torch.equal(d2[k], d[k]) for k in d) and torch.equal(lab2, lab)
+    assert _assert_resumes(ds) == states[1]
     cross = ds("none")  # a checkpoint of the placed loader resumes an unplaced one at the same position
     cross.load_state_dict(states[1])
     assert cross.state_dict() == states[1]
@@ -617,14 +617,7 @@ def test_placed_dataloader_resumes_from_its_state_dict(tok):
     for (d1, _), (d0, _) in zip(ref, other):
         assert torch.equal(d1["cu_seqlens"], d0["cu_seqlens"]) and torch.equal(d1[PLACEMENT_KEY], d0[PLACEMENT_KEY])
     assert any(d[PLACEMENT_KEY][1] < d[PLACEMENT_KEY][0] for d, _ in ref)
-    ld = loader(1)
-    it = iter(ld)
-    [next(it) for _ in range(2)]
-    sd = ld.state_dict()
-    resumed = loader(1)
-    resumed.load_state_dict(sd)
-    for (da, la), (db, lb) in zip(ref[2:], [b for _, b in zip(range(3), resumed)]):
-        assert da.keys() == db.keys() and all(torch.equal(da[k], db[k]) for k in da) and torch.equal(la, lb)
+    _assert_resumes(lambda: loader(1))
 
 
 def test_placement_imbalance_is_the_planners_colocated_imbalance():

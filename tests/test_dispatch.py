@@ -10,7 +10,7 @@ from distca import POLICIES, Layout, plan, split_nano_batches
 from distca.dispatch import build_dispatch
 
 from _reference import attention as ref_attention, task_attention
-from dist_utils import run_cases
+from dist_utils import count_collectives, run_cases
 from _strategies import layouts, nano_layouts
 
 
@@ -252,20 +252,9 @@ def _exchange_local_worker(rank, world, kind, cu, T, padding, mode):
     (``split_nano_batches``, order "stream"), core_attention one after the other against ping-pong
     with the hook. Returns (exactly equal per out, dq, dk, dv; the default's and the hook's
     all-to-alls as (send splits, recv splits))."""
-    import torch.distributed as dist
-
     import distca
     from distca import pingpong
 
-    calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    real = dist.all_to_all_single
-
-    def recording(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
-        if input_split_sizes is not None:  # the exchange's messages (an agreement passes no splits)
-            calls.append((tuple(input_split_sizes), tuple(output_split_sizes)))
-        return real(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
-
-    dist.all_to_all_single = recording
     full = Layout(tuple(cu), world, T, padding=padding)
     lays = split_nano_batches(full, "stream") if kind == "pingpong" else (full,)
     plans = [plan(lay, "distca", min_shard=4) for lay in lays]
@@ -278,21 +267,22 @@ def _exchange_local_worker(rank, world, kind, cu, T, padding, mode):
     def run(exchange_local: bool, interleave: bool) -> tuple[list[torch.Tensor], list]:
         dps = [distca.prepare(p, dispatch=build_dispatch(p, rank, _exchange_local=exchange_local)) for p in plans]
         leaves = [[x.clone().requires_grad_() for x in d[:3]] for d in data]
-        calls.clear()
-        if interleave:
-            fs = [pingpong.start(*x, plan=dp, mode=mode) for x, dp in zip(leaves, dps)]
-            for f in fs:
-                pingpong.serve(f)
-            outs = [pingpong.finish(f) for f in fs]
-        else:
-            outs = [distca.core_attention(*x, None, plan=dp, mode=mode) for x, dp in zip(leaves, dps)]
-        sum((o * d[3]).sum() for o, d in zip(outs, data)).backward()
+        with count_collectives() as calls:
+            if interleave:
+                fs = [pingpong.start(*x, plan=dp, mode=mode) for x, dp in zip(leaves, dps)]
+                for f in fs:
+                    pingpong.serve(f)
+                outs = [pingpong.finish(f) for f in fs]
+            else:
+                outs = [distca.core_attention(*x, None, plan=dp, mode=mode) for x, dp in zip(leaves, dps)]
+            sum((o * d[3]).sum() for o, d in zip(outs, data)).backward()
         got = [torch.cat([o.detach() for o in outs])] + [torch.cat([x[i].grad for x in leaves]) for i in range(3)]
-        return got, list(calls)
+        # The exchange's messages (an agreement passes no splits), and how many calls were not those.
+        return got, calls.splits(), len(calls) - len(calls.splits())
 
-    want, default_calls = run(False, False)
-    got, hook_calls = run(True, kind == "pingpong")
-    return [torch.equal(a, b) for a, b in zip(got, want)], default_calls, hook_calls
+    want, default_calls, default_other = run(False, False)
+    got, hook_calls, hook_other = run(True, kind == "pingpong")
+    return [torch.equal(a, b) for a, b in zip(got, want)], default_calls, hook_calls, default_other + hook_other
 
 
 # (kind, cu, T, padding, mode). Rows are uneven across messages (K/V prefixes and a context are
@@ -323,8 +313,10 @@ def test_exchange_local_hook_runs_real_all_to_alls_with_the_same_results(world):
     empty = self_sent = 0
     for (kind, cu, _, padding, mode), results in zip(cases, runs):
         flights = 2 if kind == "pingpong" else 1
-        for rank, (equal, default_calls, hook_calls) in enumerate(results):
+        for rank, (equal, default_calls, hook_calls, other) in enumerate(results):
             assert equal == [True] * 4, (kind, cu, rank, equal)
+            # Besides the exchange, one agreement (no splits) per plan's first call and run; a group of 1 has none.
+            assert other == (0 if world == 1 else 2 * flights), other
             assert len(hook_calls) == flights * (7 if mode == "resend" else 6), hook_calls
             assert all(len(send) == len(recv) == world for send, recv in hook_calls), hook_calls
             empty += sum(0 in send or 0 in recv for send, recv in hook_calls)

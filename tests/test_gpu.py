@@ -36,6 +36,7 @@ from distca.dispatch import build_dispatch
 from _gpu_check import BENCH_ARGS, CALIBRATE_ARGS, D, DOCS, HKV, HQ, NANO_DOCS, REPEATS, REPO, T, script
 from _gpu_check import trainer_argv, trainer_config
 from _reference import low_precision_tol, max_err, op_reference
+from dist_utils import count_collectives
 from distca.kernels import select_backend
 
 pytestmark = pytest.mark.cuda
@@ -265,24 +266,7 @@ def test_op_nano_batches_keep_documents_whole(out, nccl_world, qkv, nano_refs):
     assert all(e["ok"] for e in errs.values()), errs
 
 
-def _record_all_to_alls(monkeypatch) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Every exchange all_to_all_single from now on, as (send splits, receive splits), in call order
-    (the flights call it through ``torch.distributed``; an agreement passes no splits and is left out)."""
-    import torch.distributed as dist
-
-    calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    real = dist.all_to_all_single
-
-    def recording(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
-        if input_split_sizes is not None:
-            calls.append((tuple(input_split_sizes), tuple(output_split_sizes)))
-        return real(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
-
-    monkeypatch.setattr(dist, "all_to_all_single", recording)
-    return calls
-
-
-def test_op_all_to_alls_on_a_group_of_one(out, nccl_world, qkv, nano_refs, monkeypatch):
+def test_op_all_to_alls_on_a_group_of_one(out, nccl_world, qkv, nano_refs):
     """NCCL's all_to_all_single on the op's path, which a group of 1 otherwise never runs.
 
     With the test hook ``build_dispatch(..., _exchange_local=True)`` every task's rows go through
@@ -292,15 +276,18 @@ def test_op_all_to_alls_on_a_group_of_one(out, nccl_world, qkv, nano_refs, monke
     resend). The nano-batches against the fp32 reference; the idle one is exactly 0.
     """
     q, k, v, dout = qkv
-    calls = _record_all_to_alls(monkeypatch)
-    errs = _compare(_nano_fwd_bwd(q, k, v, dout, _nano_plans(exchange_local=True)), *nano_refs)
-    nano_calls = list(calls)
-    h = T // 2
-    idle = distca.plan(distca.Layout((0, h), 1, h, padding=(0,)), "distca")
-    dp = distca.prepare(idle, dispatch=build_dispatch(idle, 0, _exchange_local=True))
-    qq, kk, vv = (x[:h].detach().clone().requires_grad_() for x in (q, k, v))
-    o = distca.core_attention(qq, kk, vv, None, plan=dp)
-    o.backward(dout[:h])
+    # Every exchange all_to_all_single as (send splits, receive splits), in call order (an
+    # agreement passes no splits and is left out).
+    with count_collectives(("all_to_all_single",)) as counted:
+        errs = _compare(_nano_fwd_bwd(q, k, v, dout, _nano_plans(exchange_local=True)), *nano_refs)
+        nano_calls = counted.splits()
+        h = T // 2
+        idle = distca.plan(distca.Layout((0, h), 1, h, padding=(0,)), "distca")
+        dp = distca.prepare(idle, dispatch=build_dispatch(idle, 0, _exchange_local=True))
+        qq, kk, vv = (x[:h].detach().clone().requires_grad_() for x in (q, k, v))
+        o = distca.core_attention(qq, kk, vv, None, plan=dp)
+        o.backward(dout[:h])
+    calls = counted.splits()
     idle_calls = calls[len(nano_calls) :]
     idle_zero = all(bool((x == 0).all()) for x in (o, qq.grad, kk.grad, vv.grad))
     _record(

@@ -5,22 +5,21 @@ On CPU every tensor is a host tensor, so the tests define what a GPU run would h
 for: a host read (``item``, ``tolist``, ``numpy``, ``bool``/``int``/``float``, ``cpu``) of a
 tensor a collective wrote, or, while any transfer is outstanding, of any tensor outside the
 attention kernel (the CPU kernel reads its own offsets; the CUDA kernels take them on the
-device). Collectives are counted by patching ``torch.distributed``; host reads by patching
+device). Collectives are counted with the suite's counter (``dist_utils.count_collectives``:
+every collective in ``torch.distributed``, not only the all-to-alls); host reads by patching
 ``torch.Tensor``'s reading methods. Each recorder has a positive control, so the tests fail
 if the recorders stop seeing what they look for.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import pytest
 import torch
 
-from dist_utils import run_workers
+from dist_utils import COLLECTIVES, P2P_OPS, count_collectives, run_workers
 
-_COLLECTIVES = (
-    "all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_reduce", "broadcast",
-    "reduce_scatter_tensor", "barrier", "send", "recv", "isend", "irecv", "gather", "scatter",
-)  # fmt: skip
 _READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "cpu")
 
 
@@ -31,7 +30,7 @@ class _Recorder:
         import torch.distributed as dist
 
         self.dist, self.fake_async = dist, fake_async
-        self.calls: list[str] = []
+        self.counted: list = []  # dist_utils.Call, in call order
         self.events: list[tuple] = []  # ("issue", n) / ("wait", n) / ("read", name, shape)
         self.written: set[int] = set()  # storage pointers of collective outputs
         self.outstanding: set[int] = set()
@@ -40,14 +39,17 @@ class _Recorder:
         self.reads_while_outstanding: list[str] = []
         self.other_reads: list[str] = []
         self._saved: dict = {}
+        self._stack = ExitStack()
+
+    @property
+    def calls(self) -> list[str]:
+        """The names of the collectives called, in order."""
+        return [c.name for c in self.counted]
 
     def install(self) -> "_Recorder":
         import distca.kernels as kernels
 
-        for name in _COLLECTIVES:
-            if hasattr(self.dist, name):
-                self._saved[(self.dist, name)] = getattr(self.dist, name)
-                setattr(self.dist, name, self._collective(name, getattr(self.dist, name)))
+        self.counted = self._stack.enter_context(count_collectives(COLLECTIVES + P2P_OPS, run=self._collective))
         for name in _READS:
             self._saved[(torch.Tensor, name)] = getattr(torch.Tensor, name)
             setattr(torch.Tensor, name, self._read(name, getattr(torch.Tensor, name)))
@@ -57,31 +59,27 @@ class _Recorder:
         return self
 
     def uninstall(self) -> None:
+        self._stack.close()
         for (owner, name), fn in self._saved.items():
             setattr(owner, name, fn)
         self._saved.clear()
 
-    def _collective(self, name, fn):
-        rec = self
-
-        def run(*args, **kwargs):
-            rec.calls.append(name)
-            if name != "all_to_all_single":
-                return fn(*args, **kwargs)
-            out = args[0]
-            rec.written.add(out.untyped_storage().data_ptr())
-            n = len(rec.calls)
-            rec.events.append(("issue", n))
-            if not rec.fake_async:
-                return fn(*args, **kwargs)
-            # A recording stand-in: the transfer happens now, the wait is only recorded, so the
-            # test sees the order in which the schedule issues and waits, as on a GPU stream.
-            kwargs = dict(kwargs, async_op=False)
-            fn(*args, **kwargs)
-            rec.outstanding.add(n)
-            return _Work(rec, n)
-
-        return run
+    def _collective(self, name, fn, args, kwargs):
+        """Makes each counted call (``count_collectives(run=...)``), the counter having recorded it."""
+        if name != "all_to_all_single":
+            return fn(*args, **kwargs)
+        out = args[0]
+        self.written.add(out.untyped_storage().data_ptr())
+        n = len(self.counted)
+        self.events.append(("issue", n))
+        if not self.fake_async:
+            return fn(*args, **kwargs)
+        # A recording stand-in: the transfer happens now, the wait is only recorded, so the
+        # test sees the order in which the schedule issues and waits, as on a GPU stream.
+        kwargs = dict(kwargs, async_op=False)
+        fn(*args, **kwargs)
+        self.outstanding.add(n)
+        return _Work(self, n)
 
     def _read(self, name, fn):
         rec = self

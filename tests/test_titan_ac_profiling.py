@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -50,29 +48,28 @@ _LOSS = re.compile(r"step:\s+(\d+)\s+loss:\s+(-?[0-9.]+)\s+grad_norm:\s+([0-9.]+
 
 
 def _counting_launcher() -> None:
-    """``torchtitan_ext.train`` with every ``all_to_all_single`` counted; writes this rank's counts
-    to ``$DISTCA_TEST_A2A_COUNTS.rank<R>.json`` when training has completed."""
-    import torch.distributed as dist
-
-    counts = {"total": 0, "backward": 0, "blocking": 0, "blocking_backward": 0}
-    original = dist.all_to_all_single
-
-    def all_to_all_single(*args, async_op: bool = False, **kwargs):
-        # Inside autograd's backward, where the recompute of a checkpointed block runs too.
-        backward = torch._C._current_graph_task_id() != -1
-        counts["total"] += 1
-        counts["backward"] += backward
-        # distca's exchanges are asynchronous; its agreements (a plan's first call or binding,
-        # distca.check) are the blocking ones, and none may run inside a backward.
-        counts["blocking"] += not async_op
-        counts["blocking_backward"] += backward and not async_op
-        return original(*args, async_op=async_op, **kwargs)
-
-    # distca looks it up as a module attribute at call time (exchange and agreement alike).
-    dist.all_to_all_single = all_to_all_single
+    """``torchtitan_ext.train`` with every ``all_to_all_single`` counted (and every other collective
+    in backward); writes this rank's counts to ``$DISTCA_TEST_A2A_COUNTS.rank<R>.json`` when
+    training has completed."""
+    from dist_utils import count_collectives
     from torchtitan_ext.train import run
 
-    run()
+    with count_collectives() as calls:
+        run()
+    a2a = "all_to_all_single"
+    counts = {
+        "total": calls.count(a2a),
+        # Inside autograd's backward, where the recompute of a checkpointed block runs too.
+        "backward": calls.count(a2a, backward=True),
+        # distca's exchanges are asynchronous; its agreements (a plan's first call or binding,
+        # distca.check) are the blocking ones, and none may run inside a backward.
+        "blocking": calls.count(a2a, async_op=False),
+        "blocking_backward": calls.count(a2a, backward=True, async_op=False),
+        # FSDP's gradient reduce-scatters and the like are not called through torch.distributed's
+        # namespace; what is (torchtitan's loss and grad-norm all-reduces run outside backward) must
+        # be the same with and without checkpointing.
+        "other_backward": sum(c.backward and c.name != a2a for c in calls),
+    }
     Path(f"{os.environ[_COUNTS_ENV]}.rank{os.environ['RANK']}.json").write_text(json.dumps(counts))
 
 
@@ -82,15 +79,11 @@ def _counting_launcher() -> None:
 def _run(folder: Path, *args: str, nproc: int = 2, config: str = "train_configs/debug_cpu.toml"):
     """One counted torchrun; returns (rank 0's log, per-rank all-to-all counts, [loss, grad norm]
     of every step; the loss is -1 on a first pipeline stage)."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-        "--local-ranks-filter", "0", __file__, "--job.config_file", config, "--job.dump_folder", str(folder),
-        *_COMMON, *args,
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{_COUNTS_ENV: str(folder / "a2a")})
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
-    log = r.stdout + r.stderr
-    assert r.returncode == 0 and "Training completed" in log, log[-6000:]
+    import _titan as tt
+
+    _, log, _ = tt.torchrun(nproc, folder, *_COMMON, *args, launcher=(__file__,), config=config,
+                            env={_COUNTS_ENV: str(folder / "a2a")})  # fmt: skip
+    assert "Training completed" in log, log[-6000:]
     counts = [json.loads((folder / f"a2a.rank{i}.json").read_text()) for i in range(nproc)]
     steps = _LOSS.findall(log)
     assert [int(s) for s, _, _ in steps] == list(range(1, _STEPS + 1)), log[-4000:]
@@ -275,16 +268,45 @@ def test_profiler_patch_drops_the_missing_device_activity():
     assert tp.torch.cuda is torch.cuda and tp.torch.profiler.schedule is torch.profiler.schedule
 
 
-def _exchange_ranges() -> list[str]:
-    """``record_function`` ranges that decorate distca's exchange phases, if it has any."""
-    return re.findall(r'@record_function\("(distca::[^"]+)"\)', (ROOT / "distca/exchange.py").read_text())
+# The profiler ranges distca's exchange marks (docs: distca/exchange.py's module docstring).
+EXCHANGE_RANGES = {
+    "distca::dispatch", "distca::serve", "distca::land",
+    "distca::dispatch_bwd", "distca::serve_bwd", "distca::land_bwd", "distca::wait",
+}  # fmt: skip
+
+
+def _profiled_worker(rank, world):
+    """One core attention forward + backward under ``torch.profiler`` (CPU); the names of the
+    distca ranges in its trace. per_doc_cp splits both documents over both ranks, so every rank
+    dispatches, serves and lands rows both ways, and waits for them."""
+    import distca
+
+    T, H, D = 64, 2, 8
+    dp = distca.prepare(torch.tensor([0, 100, 2 * T]), policy="per_doc_cp", spec=distca.CallSpec(H, H, D, torch.float32))
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(T, H, D, generator=g).requires_grad_() for _ in range(3))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        distca.core_attention(q, k, v, None, plan=dp).square().sum().backward()
+    distca.check(dp)
+    return dp.plan.traffic.total_bytes > 0, sorted({e.name for e in prof.events() if e.name.startswith("distca::")})
+
+
+@pytest.mark.slow
+def test_exchange_phases_are_profiler_ranges():
+    """A real trace of a 2-process gloo forward + backward has every exchange phase's range (and
+    the waits'): a renamed or dropped ``record_function`` fails here."""
+    from dist_utils import run_workers
+
+    for moves, names in run_workers(_profiled_worker, 2, timeout=120):
+        assert moves
+        assert EXCHANGE_RANGES <= set(names), sorted(EXCHANGE_RANGES - set(names))
 
 
 @pytest.mark.slow
 def test_profiling_writes_a_chrome_trace(op_sac):
     """``--profiling.enable_profiling`` on CPU: torchtitan writes each rank's chrome trace of step 2,
-    with CPU ops, the step's collectives and core attention's ops (and the exchange phases' ranges
-    when distca/exchange.py marks them)."""
+    with CPU ops, the step's collectives, core attention's ops and the exchange phases' ranges
+    (``test_exchange_phases_are_profiler_ranges`` checks each of them in a trace of its own)."""
     log, _, _ = op_sac
     folder = Path(re.search(r"Traces will be saved at (\S+)", log)[1]) / "iteration_2"
     assert sorted(p.name for p in folder.iterdir()) == ["rank0_trace.json", "rank1_trace.json"]
@@ -294,7 +316,7 @@ def test_profiling_writes_a_chrome_trace(op_sac):
     assert len(ops) > 1000 and "aten::mm" in names, len(ops)
     assert any(n and n.startswith("ProfilerStep#") for n in names)
     assert {"distca::core_attention_fwd", "distca::core_attention_bwd", "c10d::alltoall_base_"} <= names
-    assert set(_exchange_ranges()) <= names, sorted(n for n in names if n and n.startswith("distca::"))
+    assert EXCHANGE_RANGES <= names, sorted(n for n in names if n and n.startswith("distca::"))
 
 
 if __name__ == "__main__":

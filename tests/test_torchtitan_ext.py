@@ -27,8 +27,8 @@ from torchtitan_ext.config import CoreAttention, validate  # noqa: E402
 from dist_utils import run_workers  # noqa: E402
 
 from _titan import (  # noqa: E402
-    _CA, _COMMON, _SDPA_LAUNCHER, _STEPS, _WINDOW, PY, ROOT, _from_seed, _job, _losses, _scalars, _torchrun,
-    _validation,
+    _CA, _COMMON, _SDPA_LAUNCHER, _STEPS, _WINDOW, PY, ROOT, _assert_resumes, _from_seed, _job, _losses, _torchrun,
+    _validation, torchrun,
 )
 
 
@@ -348,15 +348,6 @@ def sdpa(titan_dir, seed_ckpt):
 
 
 @pytest.fixture(scope="module")
-def sac(titan_dir, seed_ckpt):
-    """CAD on 2 processes with torchtitan's op-level selective activation checkpointing."""
-    return _from_seed(
-        2, titan_dir, seed_ckpt, "sac", "--activation_checkpoint.mode", "selective",
-        "--activation_checkpoint.selective_ac_option", "op",
-    )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
 def compiled(titan_dir, seed_ckpt):
     """CAD on 2 processes with --compile.enable (every TransformerBlock and the loss compiled)."""
     return _from_seed(2, titan_dir, seed_ckpt, "compiled", "--compile.enable")
@@ -504,13 +495,9 @@ def test_placement_trains_as_the_stream_order(placed, two):
     assert len(re.findall(r"ca step\s+\d+ .* placement [0-9.]+ -> [0-9.]+", log)) == _STEPS, log[-3000:]
 
 
-@pytest.mark.slow
-def test_op_level_sac_matches_no_checkpointing(sac, two):
-    """--activation_checkpoint.mode selective (op): the CA op is in the save list (``_compat``), its
-    outputs are saved, and the losses equal the run without activation checkpointing."""
-    log, tb, _ = sac
-    assert "Applied selective activation checkpointing" in log, log[-4000:]
-    assert _losses(sac) == pytest.approx(_losses(two), rel=1e-6), (_losses(sac), _losses(two))
+# Op-level SAC in the trainer (the CA op in the save list, losses equal to no checkpointing, no
+# exchange in the recompute) is tests/test_titan_ac_profiling.py's: one run with and one without
+# it there, whose plans move rows (a separate 10-step run here cost another launch).
 
 
 @pytest.mark.slow
@@ -525,19 +512,12 @@ def test_compile_matches_eager_without_recompiles(compiled, two):
 def _faulty_run(folder, env: dict[str, str], *args: str) -> tuple[str, float]:
     """2 processes of ``tests/fault_train.py`` (every rank's lines prefixed ``[default<r>]:``) that
     must fail; returns the log and the wall seconds."""
-    import time
-
-    cmd = [
-        PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--tee", "3", str(ROOT / "tests/fault_train.py"),
-        "--job.config_file", "train_configs/debug_cpu.toml", "--training.seq_len", str(_WINDOW // 2),
-        "--job.dump_folder", str(folder), *_COMMON, *args,
-    ]  # fmt: skip
-    t0 = time.monotonic()
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", **env))  # fmt: skip
-    log = r.stdout + r.stderr
-    assert r.returncode != 0 and "Training completed" not in log, log[-4000:]
-    return log, time.monotonic() - t0
+    rc, log, wall = torchrun(
+        2, folder, "--training.seq_len", str(_WINDOW // 2), *_COMMON, *args, launcher=(str(ROOT / "tests/fault_train.py"),),
+        flags=("--tee", "3"), env=env, timeout=300, check=False,
+    )  # fmt: skip
+    assert rc != 0 and "Training completed" not in log, log[-4000:]
+    return log, wall
 
 
 @pytest.mark.slow
@@ -553,15 +533,8 @@ def test_a_killed_rank_ends_every_rank_and_the_run_resumes_exactly(titan_dir, se
     )  # fmt: skip
     assert "Signals.SIGKILL" in log or "SIGKILL" in log, log[-4000:]
     assert wall < 200  # ended well before the subprocess timeout: nothing hung
-    step5 = folder / "checkpoint/step-5"
-    assert step5.is_dir(), sorted(p.name for p in (folder / "checkpoint").iterdir())
-    resumed = titan_dir / "killed_resumed"
-    _torchrun(2, resumed, "--checkpoint.enable", "--checkpoint.initial_load_path", str(step5),
-              "--checkpoint.no-initial_load_model_only", "--checkpoint.interval", "100000")  # fmt: skip
-    loss = _scalars(resumed)["loss_metrics/global_avg_loss"]
-    full = two[1]["loss_metrics/global_avg_loss"]
-    assert sorted(loss) == list(range(6, _STEPS + 1))
-    assert [loss[s] for s in range(6, _STEPS + 1)] == pytest.approx([full[s] for s in range(6, _STEPS + 1)], rel=1e-6)
+    launch = lambda folder, *flags: _torchrun(2, folder, *flags)  # noqa: E731
+    _assert_resumes(launch, titan_dir / "killed_resumed", folder / "checkpoint/step-5", two, _STEPS)
 
 
 @pytest.mark.slow
@@ -591,11 +564,11 @@ def _sac_worker(rank, world):
     with the CA op saved (MUST_SAVE; eager and compiled) or recomputed (eager, the control)."""
     from functools import partial
 
-    import torch.distributed as dist
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
     import distca
     from distca import kernels
+    from dist_utils import count_collectives
 
     T, H, D = 64, 2, 8
     # per_doc_cp splits both documents over both ranks: the op exchanges rows every call.
@@ -603,19 +576,16 @@ def _sac_worker(rank, world):
     dp = distca.prepare(torch.tensor([0, 100, 2 * T]), policy="per_doc_cp", spec=distca.CallSpec(H, H, D, torch.float32))
     torch.manual_seed(0)
     x, w = torch.randn(T, H * D), torch.randn(H * D, 3 * H * D) / 4
-    counts = {"kernel_fwd": 0, "all_to_all": 0}
+    counts = {"kernel_fwd": 0}
+    kernel = kernels.varlen_attn_forward
 
-    def counting(name, fn):
-        def wrapped(*args, **kwargs):
-            counts[name] += 1
-            return fn(*args, **kwargs)
-
-        return wrapped
+    def counting_kernel(*args, **kwargs):
+        counts["kernel_fwd"] += 1
+        return kernel(*args, **kwargs)
 
     # Both are looked up as module attributes at call time (kernels.varlen_attn_forward in the op,
-    # dist.all_to_all_single in distca.dispatch), so these count real executions only, compiled too.
-    kernels.varlen_attn_forward = counting("kernel_fwd", kernels.varlen_attn_forward)
-    dist.all_to_all_single = counting("all_to_all", dist.all_to_all_single)
+    # the collectives in torch.distributed), so these count real executions only, compiled too.
+    kernels.varlen_attn_forward = counting_kernel
 
     def f(x, handle):
         q, k, v = (x @ w).view(T, 3, H, D).unbind(1)
@@ -639,10 +609,12 @@ def _sac_worker(rank, world):
             torch._dynamo.reset()
             fn = torch.compile(fn, backend="inductor", fullgraph=True)
             fn(x.clone().requires_grad_(), dp.handle).backward()  # compile outside the counts
-        counts.update(kernel_fwd=0, all_to_all=0)
+        counts.update(kernel_fwd=0)
         xg = x.clone().requires_grad_()
-        fn(xg, dp.handle).backward()
-        results[name] = (xg.grad.numpy(), dict(counts))  # numpy: tensors do not outlive the worker
+        with count_collectives() as calls:
+            fn(xg, dp.handle).backward()
+        n = dict(counts, all_to_all=calls.count("all_to_all_single"), collectives=len(calls))
+        results[name] = (xg.grad.numpy(), n)  # numpy: tensors do not outlive the worker
     return results
 
 
@@ -657,6 +629,7 @@ def test_sac_saves_ca_op_outputs_and_skips_it_in_recompute():
     for res in run_workers(_sac_worker, 2, timeout=240):
         (g_none, n_none), (g_rec, n_rec) = res["none"], res["recompute"]
         assert n_none["kernel_fwd"] == 1 and n_none["all_to_all"] > 0, n_none  # rows really move
+        assert n_none["collectives"] == n_none["all_to_all"], n_none  # spec agreed: the exchange's calls only
         # The control: recomputing the op runs its kernel and forward all-to-alls again.
         assert n_rec["kernel_fwd"] == 2 and n_rec["all_to_all"] > n_none["all_to_all"], n_rec
         for name in ("save", "compiled_save"):
