@@ -19,10 +19,22 @@ def pytest_addoption(parser):
     g.addoption("--gpu-check-train-args", default="", help="extra torchtitan flags for the training smoke run")
 
 
+# Files whose tests launch the torchtitan trainer and share its session fixtures (seed
+# checkpoints, the "two" run): under pytest-xdist (`make test`: -n 2 --dist loadgroup) one worker
+# runs them in order, so every fixture is made once, while the other worker takes the rest.
+_TITAN_FILES = frozenset(
+    {"test_torchtitan_ext.py", "test_pipeline.py", "test_pingpong.py", "test_titan_ac_profiling.py", "test_tensor_parallel.py"}
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` skip without a CUDA GPU (``-m cuda`` selects them on a GPU machine)."""
+    """Tests marked ``cuda`` skip without a CUDA GPU (``-m cuda`` selects them on a GPU machine);
+    the torchtitan files form one xdist group."""
     import torch
 
+    for item in items:
+        if item.path.name in _TITAN_FILES:
+            item.add_marker(pytest.mark.xdist_group("titan"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
