@@ -36,10 +36,9 @@ bench: $(STAMP)
 	$(PY) scripts/bench_planner.py --doclens pretrain --ranks 512 --tokens-per-rank 131072
 	$(PY) scripts/bench_planner.py --doclens prolong --ranks 512 --tokens-per-rank 131072
 
-# Two xdist workers: one runs the torchtitan launches in order (they share session fixtures:
-# tests/conftest.py), the other everything else, so both cores stay busy.
+# Two pytest-xdist workers, a test file at a time, the longest files first (tests/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=30 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -19,22 +19,23 @@ def pytest_addoption(parser):
     g.addoption("--gpu-check-train-args", default="", help="extra torchtitan flags for the training smoke run")
 
 
-# Files whose tests launch the torchtitan trainer and share its session fixtures (seed
-# checkpoints, the "two" run): under pytest-xdist (`make test`: -n 2 --dist loadgroup) one worker
-# runs them in order, so every fixture is made once, while the other worker takes the rest.
-_TITAN_FILES = frozenset(
-    {"test_torchtitan_ext.py", "test_pipeline.py", "test_pingpong.py", "test_titan_ac_profiling.py", "test_tensor_parallel.py"}
-)
+# The files that take longest (torchtitan launches), heaviest first. `make test` runs the suite on
+# two pytest-xdist workers, a file at a time (--dist loadfile, so a file's fixtures are made once),
+# and hands files out in collection order: the longest first keeps both cores busy to the end.
+_LONGEST_FIRST = (
+    "test_pipeline.py", "test_torchtitan_ext.py", "test_pingpong.py", "test_examples.py", "test_core_attention.py",
+    "test_titan_ac_profiling.py", "test_tensor_parallel.py", "test_error_contract.py", "test_bench_planner.py",
+    "test_bench_train.py", "test_backward_plan.py",
+)  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` skip without a CUDA GPU (``-m cuda`` selects them on a GPU machine);
-    the torchtitan files form one xdist group."""
+    """The longest files first (a stable sort: the order within a file is kept); tests marked
+    ``cuda`` skip without a CUDA GPU (``-m cuda`` selects them on a GPU machine)."""
     import torch
 
-    for item in items:
-        if item.path.name in _TITAN_FILES:
-            item.add_marker(pytest.mark.xdist_group("titan"))
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
