@@ -36,9 +36,10 @@ bench: $(STAMP)
 	$(PY) scripts/bench_planner.py --doclens pretrain --ranks 512 --tokens-per-rank 131072
 	$(PY) scripts/bench_planner.py --doclens prolong --ranks 512 --tokens-per-rank 131072
 
-# Two pytest-xdist workers, a test file at a time, the longest files first (tests/conftest.py).
+# One process: the suite is CPU-bound on 2 cores (two pytest-xdist workers ran it in 824 s
+# against 883 s, each test ~1.8x slower: docs/records/test_suite.md).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
+	$(PY) -m pytest -q --durations=30 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

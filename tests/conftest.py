@@ -19,23 +19,10 @@ def pytest_addoption(parser):
     g.addoption("--gpu-check-train-args", default="", help="extra torchtitan flags for the training smoke run")
 
 
-# The files that take longest (torchtitan launches), heaviest first. `make test` runs the suite on
-# two pytest-xdist workers, a file at a time (--dist loadfile, so a file's fixtures are made once),
-# and hands files out in collection order: the longest first keeps both cores busy to the end.
-_LONGEST_FIRST = (
-    "test_pipeline.py", "test_torchtitan_ext.py", "test_pingpong.py", "test_examples.py", "test_core_attention.py",
-    "test_titan_ac_profiling.py", "test_tensor_parallel.py", "test_error_contract.py", "test_bench_planner.py",
-    "test_bench_train.py", "test_backward_plan.py",
-)  # fmt: skip
-
-
 def pytest_collection_modifyitems(config, items):
-    """The longest files first (a stable sort: the order within a file is kept); tests marked
-    ``cuda`` skip without a CUDA GPU (``-m cuda`` selects them on a GPU machine)."""
+    """Tests marked ``cuda`` skip without a CUDA GPU (``-m cuda`` selects them on a GPU machine)."""
     import torch
 
-    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

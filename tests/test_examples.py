@@ -22,7 +22,8 @@ def _losses(out: str) -> list[float]:
 @pytest.mark.slow
 def test_quickstart():
     out = run_script("examples/quickstart.py", timeout=90)
-    lines = sorted(re.findall(r"^rank (\d): out \(256, 4, 32\), \|dq\| ([0-9.]+), imbalance ([0-9.]+)$", out, re.M))
+    # Both ranks print; torchrun may join their lines, so no anchors (the figures have fixed decimals).
+    lines = sorted(re.findall(r"rank (\d): out \(256, 4, 32\), \|dq\| ([0-9]+\.[0-9]{4}), imbalance ([0-9]+\.[0-9]{3})", out))
     assert [r for r, _, _ in lines] == ["0", "1"], out
     assert all(float(dq) > 0 for _, dq, _ in lines), out  # the backward reached q
 
