@@ -9,17 +9,15 @@ graph: after the first step the number of compiled graphs stays the same.
 """
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import distca
-from core_attention_dtensor_fsdp import DIM, HKV, HQ, T, Attention, documents  # the same model, same data
+from core_attention_dtensor_fsdp import DIM, HKV, HQ, T, Attention, documents, init  # the same model, same data
 
 STEPS = 4
 
@@ -28,14 +26,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager compiles faster)")
     args = ap.parse_args()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo")
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("ca",))
+    device, mesh, dtype = init()
     rank, R = mesh.get_local_rank(), mesh.size()
-    dtype = torch.bfloat16 if cuda else torch.float32
 
     torch.manual_seed(0)
     model = Attention(DIM, HQ, HKV).to(device)

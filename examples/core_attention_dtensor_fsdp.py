@@ -70,7 +70,8 @@ def documents(step: int, total: int) -> list[int]:
     return cu
 
 
-def main() -> None:
+def init() -> tuple[torch.device, DeviceMesh, torch.dtype]:
+    """The process group, a 1-D "ca" mesh over every rank, and the device and dtype to run in."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
@@ -78,8 +79,12 @@ def main() -> None:
     # gloo beside NCCL runs distca's small agreements on the host, without a device sync.
     dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("ca",))
+    return device, mesh, torch.bfloat16 if cuda else torch.float32  # CUDA flash kernels take 16-bit inputs
+
+
+def main() -> None:
+    device, mesh, dtype = init()
     rank, R = mesh.get_local_rank(), mesh.size()
-    dtype = torch.bfloat16 if cuda else torch.float32  # CUDA flash kernels take 16-bit inputs
 
     torch.manual_seed(0)  # the same initial weights on every rank
     model = Attention(DIM, HQ, HKV).to(device)
