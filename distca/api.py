@@ -138,15 +138,11 @@ def prepare(
     state = PlanState(spec=spec if isinstance(spec, CallSpec) else None)
     # A bad verify joins an agreement too: its fields pair with a peer's prepare or first layer.
     # The agreement also raises, on every rank, any call this rank rejected since the group's last one.
+    meta = None if err is not None else dispatch if dispatch is not None else build_dispatch(p, rank, kv_prefix=kv_prefix)
     if verify != "first_use":
-        if p is not None and spec is not None:
-            T = p.layout.tokens_per_rank
-            rows = (T, dispatch.kv_rows if dispatch is not None else 2 * T if kv_prefix else p.layout.kv_rows)
-        else:
-            rows = (-1, -1)
+        rows = (meta.tokens_per_rank, meta.kv_rows) if meta is not None and spec is not None else (-1, -1)
         _admission.agree(pg, err, _admission.fields(digest, rows, state.spec))
         state.agreed = state.spec is not None
-    meta = None if err is not None else dispatch if dispatch is not None else build_dispatch(p, rank, kv_prefix=kv_prefix)
     return register(DispatchPlan(
         p if err is None else None, meta, pg, new_handle(), digest=digest, error=err,
         verify=verify if verify in ("now", "first_use", "every_call") else "now", state=state,

@@ -12,7 +12,6 @@ whatever agreement a peer is in, a rank that rejects its input pairs with it
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
