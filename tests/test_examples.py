@@ -70,21 +70,16 @@ def test_plan_my_documents(tmp_path):
     assert len(sim) == 6 and all(float(s) > 0 for _, _, s in sim), out
 
 
-def _readme_example() -> str | None:
-    """The fenced python block between the quick-start markers in README.md, or None."""
+def _readme_example() -> str:
+    """The fenced python block between the quick-start markers in README.md."""
     text = (ROOT / "README.md").read_text()
-    if MARKER not in text:
-        return None
+    assert MARKER in text, f"README.md must show examples/quickstart.py between {MARKER} and <!-- /example -->"
     body = text.split(MARKER, 1)[1].split("<!-- /example -->", 1)[0]
     m = re.fullmatch(r"\s*```python\n(.*?)```\s*", body, re.S)
     assert m, f"README.md: between {MARKER} and <!-- /example --> there must be one ```python block"
     return m.group(1)
 
 
-@pytest.mark.skipif(
-    MARKER not in (ROOT / "README.md").read_text(),
-    reason=f"README.md does not carry the quick-start markers yet ({MARKER} ... <!-- /example -->)",
-)
 def test_readme_example_is_quickstart_verbatim():
     assert _readme_example() == (ROOT / "examples" / "quickstart.py").read_text()
 
