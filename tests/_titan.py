@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+import _titan_pool
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
@@ -44,24 +46,43 @@ _SDPA_LAUNCHER = (str(ROOT / "tests/sdpa_reference_train.py"),)  # test-only: on
 def torchrun(
     nproc: int, folder: Path, *args: str, launcher: tuple[str, ...] = _LAUNCHER,
     config: str = "train_configs/debug_cpu.toml", flags: tuple[str, ...] = ("--local-ranks-filter", "0"),
-    env: dict[str, str] | None = None, timeout: float = 240, check: bool = True,
+    env: dict[str, str] | None = None, timeout: float = 240, check: bool = True, warm: bool | None = None,
 ) -> tuple[int, str, float]:  # fmt: skip
     """The suite's one torchtitan launcher: ``torchrun --standalone`` (a free port, so runs side by
     side never meet) of ``launcher`` on ``nproc`` processes with torchrun's ``flags`` (default:
     rank 0's output only), one thread each. Returns (exit code, log, wall seconds); with ``check``
-    the run must have completed training (or written the seed checkpoint)."""
-    cmd = [
-        PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *flags, *launcher,
-        "--job.config_file", config, "--job.dump_folder", str(folder), *args,
-    ]  # fmt: skip
+    the run must have completed training (or written the seed checkpoint).
+
+    ``warm`` (default: when ``check``, and the flags only select ranks): the same job on the warm
+    ranks of ``tests/_titan_pool.py``, which pay torchtitan's imports once per world size; a run
+    that is meant to fail, or to lose a rank, keeps torchrun's own processes.
+    ``DISTCA_TEST_WARM=0`` sends every run to torchrun."""
+    args = ("--job.config_file", config, "--job.dump_folder", str(folder), *args)
+    ranks = _ranks_of(nproc, flags)
+    if warm is None:
+        warm = check and ranks is not None and os.environ.get("DISTCA_TEST_WARM", "1") != "0"
     t0 = time.monotonic()
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))  # fmt: skip
-    log = r.stdout + r.stderr
+    if warm:
+        target = _titan_pool.DEFAULT_LAUNCHER if launcher == _LAUNCHER else launcher[0]
+        rc, log = _titan_pool.pool(nproc).run(target, list(args), dict(env or {}), ranks, timeout)
+    else:
+        cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *flags, *launcher, *args]
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                           env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))  # fmt: skip
+        rc, log = r.returncode, r.stdout + r.stderr
     if check:
-        assert r.returncode == 0, log[-6000:]
+        assert rc == 0, log[-6000:]
         assert "Training completed" in log or "Created seed checkpoint" in log, log[-6000:]
-    return r.returncode, log, time.monotonic() - t0
+    return rc, log, time.monotonic() - t0
+
+
+def _ranks_of(nproc: int, flags: tuple[str, ...]) -> list[int] | None:
+    """The ranks whose output torchrun's ``flags`` show, or None for flags that do more than select."""
+    if not flags:
+        return list(range(nproc))
+    if len(flags) == 2 and flags[0] == "--local-ranks-filter":
+        return [int(r) for r in flags[1].split(",")]
+    return None
 
 
 def _torchrun(nproc: int, folder: Path, *args: str, **kw) -> str:

@@ -49,7 +49,8 @@ def seed_ckpt(titan_dir):
     """One seed checkpoint for every run: FSDP-sharded and unsharded init_weights draw different numbers."""
     import _titan as tt
 
-    tt._torchrun(1, titan_dir / "seed", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
+    # torchrun itself, not the warm ranks: the one default launch of the suite that goes through it
+    tt._torchrun(1, titan_dir / "seed", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint", warm=False)
     return titan_dir / "seed/checkpoint/step-0"
 
 
