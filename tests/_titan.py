@@ -54,7 +54,7 @@ def torchrun(
     the run must have completed training (or written the seed checkpoint).
 
     ``warm`` (default: when ``check``, and the flags only select ranks): the same job on the warm
-    ranks of ``tests/_titan_pool.py``, which pay torchtitan's imports once per world size; a run
+    ranks of ``tests/_titan_pool.py``, which pay torchtitan's imports once per worker; a run
     that is meant to fail, or to lose a rank, keeps torchrun's own processes.
     ``DISTCA_TEST_WARM=0`` sends every run to torchrun."""
     args = ("--job.config_file", config, "--job.dump_folder", str(folder), *args)
@@ -64,7 +64,7 @@ def torchrun(
     t0 = time.monotonic()
     if warm:
         target = _titan_pool.DEFAULT_LAUNCHER if launcher == _LAUNCHER else launcher[0]
-        rc, log = _titan_pool.pool(nproc).run(target, list(args), dict(env or {}), ranks, timeout)
+        rc, log = _titan_pool.run(nproc, target, list(args), dict(env or {}), ranks, timeout)
     else:
         cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *flags, *launcher, *args]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,

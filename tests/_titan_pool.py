@@ -1,7 +1,7 @@
-"""Warm torchtitan ranks for the tests: one set of ``nproc`` worker processes per world size that
-runs one torchtitan job after another, so that the suite pays torchtitan's imports (~5.5 s of CPU
-per process: torchtitan pulls in ``torch._inductor``) and torchrun's start-up once per world size
-instead of once per run.
+"""Warm torchtitan ranks for the tests: worker processes that run one torchtitan job after another
+(a job of ``nproc`` ranks on the first ``nproc`` workers), so that the suite pays torchtitan's
+imports (~5.5 s of CPU per process: torchtitan pulls in ``torch._inductor``) and torchrun's
+start-up once per worker instead of once per rank and run.
 
 A job is what ``torchrun --standalone --nproc_per_node N LAUNCHER ARGS`` would run: every worker
 gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, a fresh
@@ -46,21 +46,18 @@ def _free_port() -> int:
 
 
 class Pool:
-    """``nproc`` warm ranks. :meth:`run` is torchrun's contract: exit code and the selected ranks'
-    output (their stdout, then their stderr, as ``subprocess.run`` with ``capture_output`` gives it)."""
+    """Warm ranks, as many as the largest job so far asked for; a job of ``nproc`` ranks runs on the
+    first ``nproc``. :meth:`run` keeps torchrun's contract: exit code and the selected ranks' output
+    (their stdout, then their stderr, as ``subprocess.run`` with ``capture_output`` gives them)."""
 
-    def __init__(self, nproc: int) -> None:
-        self.nproc = nproc
-        self.dir = Path(tempfile.mkdtemp(prefix=f"titan_pool{nproc}_"))
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="titan_pool_"))
         self.jobs = 0
         self.procs: list[subprocess.Popen] = []
-        for r in range(nproc):
-            env = dict(
-                os.environ, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r), GROUP_RANK="0", ROLE_RANK=str(r),
-                ROLE_NAME="default", WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
-                GROUP_WORLD_SIZE="1", MASTER_ADDR="localhost", TORCHELASTIC_RESTART_COUNT="0",
-                TORCHELASTIC_MAX_RESTARTS="0", TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
-            )  # fmt: skip
+
+    def _grow(self, nproc: int) -> None:
+        for r in range(len(self.procs), nproc):
+            env = dict(os.environ, OMP_NUM_THREADS="1", LOCAL_RANK=str(r), MASTER_ADDR="localhost")
             self.procs.append(subprocess.Popen(
                 [sys.executable, __file__], cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=open(self.dir / f"worker{r}.err", "w"), text=True, start_new_session=True,
@@ -78,20 +75,26 @@ class Pool:
                     pass
             p.wait()
 
-    def run(self, launcher: str, args: list[str], env: dict[str, str], ranks: list[int], timeout: float):
-        """One job; returns (exit code, log). A failed or timed-out job closes the pool."""
+    def run(self, nproc: int, launcher: str, args: list[str], env: dict[str, str], ranks: list[int], timeout: float):
+        """One job on ranks 0..nproc-1; returns (exit code, log). A failed or timed-out job closes the pool."""
+        self._grow(nproc)
         self.jobs += 1
         job = self.dir / f"job{self.jobs}"
-        out = [f"{job}.rank{r}.out" for r in range(self.nproc)]
-        err = [f"{job}.rank{r}.err" for r in range(self.nproc)]
-        port = _free_port()
-        for r, p in enumerate(self.procs):
-            msg = {"launcher": launcher, "args": args, "env": env, "port": port, "out": out[r], "err": err[r]}
+        out = [f"{job}.rank{r}.out" for r in range(nproc)]
+        err = [f"{job}.rank{r}.err" for r in range(nproc)]
+        world = dict(
+            WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1",
+            GROUP_RANK="0", ROLE_NAME="default", MASTER_PORT=str(_free_port()), TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_MAX_RESTARTS="0", TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+        )  # fmt: skip
+        for r, p in enumerate(self.procs[:nproc]):
+            rank = dict(RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r))
+            msg = {"launcher": launcher, "args": args, "env": {**world, **rank, **env}, "out": out[r], "err": err[r]}
             p.stdin.write(json.dumps(msg) + "\n")
             p.stdin.flush()
         rcs: dict[int, int] = {}
         deadline = time.monotonic() + timeout
-        waiting = {p.stdout.fileno(): r for r, p in enumerate(self.procs)}
+        waiting = {p.stdout.fileno(): r for r, p in enumerate(self.procs[:nproc])}
         while waiting and not any(rcs.values()):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -105,7 +108,7 @@ class Pool:
         if any(rcs.values()):
             # torchrun ends the peers of a failed rank; so does the pool, and shows every rank's output.
             self.close()
-            return next(rc for rc in rcs.values() if rc), self._log(out, err, list(range(self.nproc)))
+            return next(rc for rc in rcs.values() if rc), self._log(out, err, list(range(nproc)))
         return 0, self._log(out, err, ranks)
 
     @staticmethod
@@ -114,30 +117,31 @@ class Pool:
         return "".join(read(out[r]) for r in ranks) + "".join(read(err[r]) for r in ranks)
 
 
-_POOLS: dict[int, Pool] = {}
+_POOL: Pool | None = None
 
 
-def pool(nproc: int) -> Pool:
-    """The live pool of ``nproc`` ranks, started on first use and after a failed job."""
-    p = _POOLS.get(nproc)
-    if p is None or not p.alive():
-        if p is not None:
-            p.close()
-        p = _POOLS[nproc] = Pool(nproc)
-    return p
+def run(nproc: int, launcher: str, args: list[str], env: dict[str, str], ranks: list[int], timeout: float):
+    """:meth:`Pool.run` on the live pool, started on first use and after a failed job."""
+    global _POOL
+    if _POOL is None or not _POOL.alive():
+        if _POOL is not None:
+            _POOL.close()
+        _POOL = Pool()
+    return _POOL.run(nproc, launcher, args, env, ranks, timeout)
 
 
 @atexit.register
-def _close_all() -> None:
-    for p in _POOLS.values():
-        for proc in p.procs:
-            if proc.poll() is None:
-                proc.stdin.close()  # a worker ends at the end of its input
-        for proc in p.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.close()
+def _close() -> None:
+    if _POOL is None:
+        return
+    for proc in _POOL.procs:
+        if proc.poll() is None:
+            proc.stdin.close()  # a worker ends at the end of its input
+    for proc in _POOL.procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            _POOL.close()
 
 
 # ---- worker -------------------------------------------------------------------------------------
@@ -211,7 +215,7 @@ def _worker() -> None:
 
     for line in sys.stdin:
         job = json.loads(line)
-        os.environ.update(job["env"], MASTER_PORT=str(job["port"]))
+        os.environ.update(job["env"])
         launcher = job["launcher"]
         sys.argv[:] = [launcher, *job["args"]]
         if launcher != DEFAULT_LAUNCHER:

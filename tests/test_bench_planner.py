@@ -1,8 +1,11 @@
 """The bench_planner.py command-line contract (other tools parse its JSON)."""
 
+import io
 import json
 import subprocess
 import sys
+import traceback
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +18,36 @@ FIELDS = {
 }  # fmt: skip
 
 
-def run(*args):
+def run_process(*args):
+    """The script as a user runs it: its own Python process."""
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
 
 
+def run(*args):
+    """The script's ``main(argv)`` in this process (a process per call costs ~2 s of imports): its
+    exit code and output, as the interpreter gives them (a ``SystemExit`` message and an exception's
+    traceback on stderr, exit code 1)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_planner
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            rc = bench_planner.main(list(args))
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        except Exception:
+            traceback.print_exc()
+            rc = 1
+    return subprocess.CompletedProcess([str(SCRIPT), *args], rc, out.getvalue(), err.getvalue())
+
+
 def test_json_one_object_per_policy(tmp_path):
-    r = run("--doclens", "prolong", "--ranks", "8", "--tokens-per-rank", "16384", "--upsample", "4",
+    r = run_process("--doclens", "prolong", "--ranks", "8", "--tokens-per-rank", "16384", "--upsample", "4",
             "--upsample-threshold", "8192", "--seed", "3", "--policy", "distca", "--policy", "greedy",
             "--model", "debug", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
