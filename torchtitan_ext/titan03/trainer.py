@@ -1,0 +1,272 @@
+"""``CoreAttentionTrainer``: torchtitan 0.3's Trainer with core attention disaggregation.
+
+``CoreAttentionTrainer.Config`` is ``Trainer.Config`` plus a ``core_attention`` field: the 0.2.2
+adapter's ``[core_attention]`` section (:class:`torchtitan_ext.config.CoreAttention`, validated by
+:func:`torchtitan_ext.config.validate`), so every key is a ``--core_attention.<key>`` flag with the
+same meaning and default. torchtitan's ``config.build()`` builds this trainer from it.
+
+With ``core_attention.enable`` the trainer, before torchtitan builds anything,
+
+1. converts the model config (:func:`torchtitan_ext.titan03.model.convert`): core attention by
+   distca in every layer, RoPE long enough for in-document positions of the CA group's window;
+2. at ``init_distributed``: carves the ``"ca"`` mesh dimension, makes the ``CAPlanner`` and tells
+   the data loader the CA degree;
+3. per micro-batch: plans the next item in a planning thread while this one computes, binds the
+   plan and passes it to the model as ``attention_masks``; before the optimizer step, agrees over
+   the CA group that no call was rejected (``distca.check``); logs a ``ca step`` line.
+
+With it off the model is torchtitan's own and the trainer only drops the loader's layout keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+import distca
+from distca.cost import ModelShape, load_cost_model
+from torchtitan_ext import data
+from torchtitan_ext.ca_mesh import build_ca_mesh
+from torchtitan_ext.config import CoreAttention, cost_model_name, nano_batches, validate
+from torchtitan_ext.planning import CAPlanner, StepPlan
+from torchtitan_ext.titan03 import model as ca_model
+from torchtitan_ext.titan03.data import CADataLoader
+
+__all__ = ["CoreAttentionTrainer"]
+
+_MiB = 1 << 20
+
+
+def _ac_mode(ac) -> tuple[str, str]:
+    """torchtitan 0.3's activation-checkpointing config as the 0.2.2 (mode, selective option) that
+    :func:`torchtitan_ext.config.validate` reads: 0.3's selective AC is op-level only."""
+    if ac is None:
+        return "none", "2"
+    if isinstance(ac, FullAC.Config):
+        return "full", "2"
+    if isinstance(ac, SelectiveAC.Config):
+        return "selective", "op"
+    return type(ac).__qualname__, "2"
+
+
+def _check(config: "CoreAttentionTrainer.Config", dp_size: int | None) -> int:
+    """Validate ``config.core_attention`` against the rest of the config; return the CA degree.
+
+    ``dp_size`` None (at parse time, before the world size is known) checks everything but the
+    degree, which :meth:`CoreAttentionTrainer.init_distributed` checks with the real size.
+    The 0.2.2 rules apply unchanged; the 0.3 adapter does not support yet what it rejects here
+    (docs/guides/torchtitan03.md, "Not yet supported")."""
+    cfg, p = config.core_attention, config.parallelism
+    ac_mode, ac_option = _ac_mode(config.activation_checkpoint)
+    known = dataclasses.replace(cfg, degree=-1) if dp_size is None else cfg
+    degree = validate(
+        known, dp_size=dp_size or 1, cp_degree=p.context_parallel_degree, tp_degree=p.tensor_parallel_degree,
+        pp_degree=p.pipeline_parallel_degree, pp_schedule=p.pipeline_parallel_schedule, ac_mode=ac_mode,
+        ac_option=ac_option,
+    )  # fmt: skip
+    if not cfg.enable:
+        return 1
+    unsupported = {
+        "parallelism.pipeline_parallel_degree": (p.pipeline_parallel_degree, p.pipeline_parallel_degree > 1, "1"),
+        "parallelism.tensor_parallel_degree": (p.tensor_parallel_degree, p.tensor_parallel_degree > 1, "1"),
+        "core_attention.nano_batches": (nano_batches(cfg), nano_batches(cfg) > 1, "1 (and pingpong false)"),
+        "activation_checkpoint": (ac_mode, ac_mode != "none", "none (activation-checkpoint:none)"),
+        "compile.enable": (config.compile.enable, config.compile.enable, "false"),
+        "validator.enable": (config.validator.enable, config.validator.enable, "false"),
+    }
+    for flag, (value, bad, want) in unsupported.items():
+        if bad:
+            raise ValueError(
+                f"core_attention.enable=true with --{flag}={value} is not supported by the torchtitan 0.3 adapter "
+                f"yet (the 0.2.2 adapter, torchtitan_ext.train, supports it); set it to {want}"
+            )
+    if not config.training.disable_cuda_graphs:
+        raise ValueError(
+            "core_attention.enable=true needs --training.disable_cuda_graphs: every step has a new CA plan "
+            "(shapes and all-to-all splits), which a captured CUDA graph would replay stale"
+        )
+    if not isinstance(config.dataloader, CADataLoader.Config):
+        raise ValueError(
+            f"core_attention.enable=true needs the CA data loader (document boundaries of the CA group's "
+            f"window every step), got dataloader {type(config.dataloader).__qualname__}: use a config of "
+            "torchtitan_ext.titan03.config_registry"
+        )
+    return degree
+
+
+def _layout_key(cus: list[torch.Tensor], contexts: list) -> tuple:
+    return tuple(tuple(x.reshape(-1).tolist()) if x is not None else None for x in (*cus, *contexts))
+
+
+class CoreAttentionTrainer(Trainer):
+    """torchtitan 0.3's Trainer plus core attention disaggregation (see the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        core_attention: CoreAttention = field(default_factory=CoreAttention)
+        """The 0.2.2 adapter's ``[core_attention]`` section: ``--core_attention.<key>``."""
+
+        def __post_init__(self) -> None:
+            # slots dataclasses break zero-argument super(); call the parent's explicitly.
+            Trainer.Config.__post_init__(self)
+            _check(self, None)
+
+    def __init__(self, config: Config) -> None:
+        cfg = config.core_attention
+        self.ca: CAPlanner | None = None
+        self._step_plans: list[StepPlan] = []
+        """This step's micro-batch plans, dropped (freeing them) when the step is logged."""
+        self._ahead: tuple[tuple, Future] | None = None
+        """(layout key, planning future) of the next item, planned before it is drawn."""
+        self._planning: ThreadPoolExecutor | None = None
+        self._step_seconds: list[float] = []
+        if cfg.enable:
+            # Before torchtitan builds anything: the model it builds is the converted one.
+            n = ca_model.convert(config.model_spec.model, cfg)
+            logger.info(f"core_attention: {n} attention layers use distca (policy {cfg.policy}, mode {cfg.mode})")
+        super().__init__(config)
+
+    # ---- start-up ----------------------------------------------------------------------------
+
+    def init_distributed(self):
+        parallel_dims = super().init_distributed()
+        config = self.config
+        cfg = config.core_attention
+        dp = parallel_dims.dp_replicate * parallel_dims.dp_shard
+        degree = _check(config, dp)
+        loader = config.dataloader
+        if not cfg.enable:
+            if isinstance(loader, CADataLoader.Config):
+                loader.ca_degree = 1
+            return parallel_dims
+        model_config = config.model_spec.model
+        attn = model_config.layers[0].attention
+        n_heads, n_kv = attn.n_heads, attn.n_kv_heads or attn.n_heads
+        head_dim = attn.head_dim or model_config.dim // n_heads
+        # Activations are bf16 only under FSDP's bf16 mixed precision.
+        bf16 = parallel_dims.fsdp_enabled and config.training.mixed_precision_param == "bfloat16"
+        shape = ModelShape(n_heads, n_kv, head_dim, 2 if bf16 else 4)
+        cost = cost_model_name(cfg, torch.cuda.is_available())
+        mesh = build_ca_mesh(parallel_dims, degree)
+        self.ca = CAPlanner(
+            cfg=cfg, mesh=mesh, degree=degree, rank=mesh.get_local_rank("ca"), nano_batches=1, microbatches=1,
+            shape=shape, cost_model=load_cost_model(cost),
+        )  # fmt: skip
+        self._planning = ThreadPoolExecutor(1, thread_name_prefix="distca-plan")
+        # In-document positions reach degree * seq_len - 1 (a document spanning the group).
+        ca_model.set_rope_span(model_config, degree)
+        loader.ca_degree, loader.nano_batches = degree, 1
+        if cfg.placement != "none":
+            loader.placement, loader.cost_model, loader.shape = cfg.placement, cost, shape
+        logger.info(
+            f"core_attention: CA group of {degree} ranks, {n_heads} query / {n_kv} KV heads, cost model {cost}"
+        )
+        return parallel_dims
+
+    # ---- planning ahead ----------------------------------------------------------------------
+
+    def batch_generator(self, data_iterable):
+        for input_dict, labels in super().batch_generator(data_iterable):
+            if self.ca is None:
+                yield input_dict, labels
+                continue
+            data.pop_placement(input_dict)
+            now, ahead = data.pop_layout(input_dict), data.pop_layout(input_dict, "next_")
+            if now is not None:
+                guess, self._ahead = self._ahead, None
+                # A stale guess (e.g. after a checkpoint load) is dropped.
+                fut = guess[1] if guess is not None and guess[0] == _layout_key(*now) else self._planning.submit(
+                    self.ca.plan, *now
+                )  # fmt: skip
+                if ahead is not None:
+                    self._ahead = (_layout_key(*ahead), self._planning.submit(self.ca.plan, *ahead))
+                # Not a tensor: torchtitan's move to the device leaves it alone.
+                input_dict["ca_planned"] = fut
+            yield input_dict, labels
+
+    def post_dataloading_process(self, input_dict, labels):
+        fut = input_dict.pop("ca_planned", None)
+        # Every key left in input_dict becomes a model-forward kwarg: drop the loader's layout keys.
+        for prefix in ("", "next_"):
+            data.pop_layout(input_dict, prefix)
+        data.pop_placement(input_dict)
+        if self.ca is None:
+            return super().post_dataloading_process(input_dict, labels)
+        if fut is None:
+            raise RuntimeError("a CA batch without its plan: items must come through CoreAttentionTrainer.batch_generator")
+        t0 = time.perf_counter()
+        planned = fut.result()
+        step = self.ca.bind(planned, waited=time.perf_counter() - t0)
+        self._step_plans.append(step)
+        # positions (in-document, over the CA group's window) stay: GQAttention's RoPE reads them.
+        inputs, labels, extra_kwargs = super().post_dataloading_process(input_dict, labels)
+        extra_kwargs["attention_masks"] = step
+        return inputs, labels, extra_kwargs
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        if self.ca is not None and len(self._step_plans) == self.gradient_accumulation_steps:
+            self._check_step()  # the step's last micro-batch: before clipping and the optimizer step
+        return loss
+
+    def _check_step(self) -> None:
+        """One agreement over the CA group (``distca.check``) that raises on every rank if any rank
+        rejected a core-attention call of this step, so no parameter is updated from it."""
+        plans = [p for sp in self._step_plans for p in sp.plans]
+        distca.check(plans)
+        if self.ca.spec is None:  # the first step agreed the layers' call shape: later plans are agreed when bound
+            specs = {p.spec for p in plans if p.spec is not None}
+            if len(specs) == 1:
+                self.ca.spec = specs.pop()
+
+    # ---- metrics -----------------------------------------------------------------------------
+
+    def train_step(self, data_iterator) -> None:
+        t0 = time.perf_counter()
+        super().train_step(data_iterator)
+        self._step_seconds.append(time.perf_counter() - t0)
+        if self.ca is None:
+            return
+        steps, self._step_plans = self._step_plans, []
+        stats = [s for sp in steps for s in sp.stats]
+        row = {
+            "ca/imbalance_colocated": float(np.mean([s.imbalance_colocated for s in stats])),
+            "ca/imbalance": float(np.mean([s.imbalance for s in stats])),
+            "ca/fwd_MiB_per_layer": sum(s.fwd_bytes for s in stats) / _MiB,
+            "ca/bwd_MiB_per_layer": sum(s.bwd_bytes for s in stats) / _MiB,
+            "ca/plan_ms": 1e3 * sum(s.plan_seconds for s in stats),
+            "ca/exposed_plan_ms": 1e3 * sum(sp.exposed_plan_seconds for sp in steps),
+            "ca/docs": float(np.mean([s.num_docs for s in stats])),
+        }
+        if self.metrics_processor.should_log(self.step):
+            self.metrics_processor.logger.log(row, self.step)
+            n_layers = len(self.config.model_spec.model.layers)
+            logger.info(
+                f"ca step {self.step:2}  imbalance {row['ca/imbalance_colocated']:.3f} (colocated) -> "
+                f"{row['ca/imbalance']:.3f} ({self.ca.cfg.policy})  "
+                f"bytes/layer fwd {row['ca/fwd_MiB_per_layer']:.2f} MiB bwd {row['ca/bwd_MiB_per_layer']:.2f} MiB "
+                f"(x{n_layers} layers)  plan {row['ca/plan_ms']:.1f} ms (exposed {row['ca/exposed_plan_ms']:.1f} ms)  "
+                f"docs {row['ca/docs']:.0f}"
+            )
+
+    def train(self) -> None:
+        super().train()
+        self._completed = True
+
+    def close(self) -> None:
+        if self._planning is not None:
+            self._planning.shutdown(wait=True, cancel_futures=True)
+        super().close()
+        # torchtitan's main() destroys the process group right after close(); on gloo a barrier
+        # first avoids an occasional abort in destroy_process_group. Only after a completed run:
+        # a failed rank must not leave the others waiting here.
+        if getattr(self, "_completed", False) and torch.distributed.is_initialized():
+            torch.distributed.barrier()
