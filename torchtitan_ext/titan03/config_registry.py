@@ -30,7 +30,8 @@ def llama3_debugmodel_ca() -> CoreAttentionTrainer.Config:
 
     Attention with CAD off is torchtitan's varlen (``--core_attention.no-enable``: GPU only,
     torchtitan's varlen has no CPU kernel). No activation checkpointing and CUDA graphs off: the
-    0.3 adapter does not support them with CAD yet (docs/guides/torchtitan03.md).
+    0.3 adapter does not support them with CAD yet (docs/guides/torchtitan03.md). Model-parallel
+    axes as DTensors (``parallelism.spmd_backend = "partial_dtensor"``), see below.
     """
     model_spec = model_registry("debugmodel", attn_backend="varlen")
     return CoreAttentionTrainer.Config(
@@ -45,8 +46,11 @@ def llama3_debugmodel_ca() -> CoreAttentionTrainer.Config:
             disable_cuda_graphs=True,
         ),  # fmt: skip
         dataloader=CADataLoader.Config(dataset="stdlib_defs", seed=42),
-        metrics=MetricsProcessor.Config(log_freq=1),
-        parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
+        metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True),
+        # partial_dtensor: with torch 2.13, torchtitan 0.3's default "spmd_types" backend stops in
+        # fully_shard ("all parameters must be DTensors on the full SPMD mesh") for the stock model
+        # too, CAD on or off (docs/guides/torchtitan03.md).
+        parallelism=ParallelismConfig(data_parallel_shard_degree=-1, spmd_backend="partial_dtensor"),
         activation_checkpoint=None,
         core_attention=CoreAttention(enable=True, policy="distca"),
     )
