@@ -27,9 +27,10 @@ REGISTRY = ("--module", "torchtitan_ext.titan03", "--config", "llama3_debugmodel
 
 def torchrun(nproc: int, folder: Path, *args: str, timeout: float = 300) -> tuple[int, str, float]:
     """``torchrun --standalone`` of the 0.3 launcher on ``nproc`` processes (one thread each) with
-    the debug registry config and ``args``; returns (exit code, every rank's log, wall seconds)."""
+    the debug registry config and ``args``; returns (exit code, rank 0's log, wall seconds)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "torchtitan_ext.titan03.train", *REGISTRY, "--dump_folder", str(folder), *args]  # fmt: skip
+           "--local-ranks-filter", "0", "-m", "torchtitan_ext.titan03.train", *REGISTRY,
+           "--dump_folder", str(folder), *args]  # fmt: skip
     t0 = time.monotonic()
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
