@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from _titan03 import LANE, REGISTRY, ROOT
 from torchtitan_ext.config import CoreAttention
@@ -132,3 +133,57 @@ def test_each_adapter_refuses_the_other_torchtitan_naming_its_command():
 
     with pytest.raises(ImportError, match=r"torchtitan==0\.3\.0 is installed; torchtitan 0\.3\.0 has its own adapter"):
         require_torchtitan("0.2.2", "x")
+
+
+def test_torchtitans_config_printer_loads_the_registry():
+    """``python -m torchtitan.config.manager`` (torchtitan's own parse-and-print) finds the registry
+    without our launcher: the registry applies the CPU patches itself on import."""
+    r = subprocess.run(
+        [sys.executable, "-m", "torchtitan.config.manager", *REGISTRY, "--core_attention.policy", "greedy"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_carope_cache_spans_the_ca_window_through_torchtitans_seq_len_reset():
+    """torchtitan resets every RoPE's max_seq_len to training.seq_len with dataclasses.replace; the
+    span survives it, and the cache (and its bounds) cover span * max_seq_len positions."""
+    from torchtitan.models.common.rope import ComplexRoPE
+
+    from torchtitan_ext.titan03.model import CARoPE
+
+    cfg = CARoPE.Config(dim=16, max_seq_len=131072, theta=500000.0, span=1)
+    cfg.span = 4
+    cfg = dataclasses.replace(cfg, max_seq_len=64)  # what Decoder.Config.update_from_config does
+    rope = cfg.build()
+    assert type(rope) is CARoPE and rope.config.max_seq_len == 256 and rope.cache.shape[0] == 256
+    plain = ComplexRoPE.Config(dim=16, max_seq_len=256, theta=500000.0).build()
+    assert torch.equal(rope.cache, plain.cache)  # the same table, only longer than seq_len
+    with pytest.raises(ValueError, match=r"CARoPE span=0 must be >= 1"):
+        dataclasses.replace(cfg, span=0).build()
+
+
+def test_convert_swaps_attention_and_rope_configs_only():
+    """The conversion the trainer applies with core_attention.enable: every layer's inner attention
+    and RoPE config, nothing else; the model still passes torchtitan's Module protocol check."""
+    from torchtitan.models.llama3 import model_registry
+
+    from torchtitan_ext.titan03.model import CARoPE, CoreAttentionModule, convert
+
+    spec = model_registry("debugmodel", attn_backend="varlen")
+    before = spec.model.to_dict()
+    assert convert(spec.model, CoreAttention(backend="torch")) == 6
+    for layer in spec.model.layers:
+        assert layer.attention.inner_attention == CoreAttentionModule.Config(backend="torch")
+        assert isinstance(layer.attention.rope, CARoPE.Config) and layer.attention.rope.span == 1
+    after = spec.model.to_dict()
+    for i in range(6):
+        for key in ("inner_attention", "rope"):
+            before["layers"][i]["attention"].pop(key), after["layers"][i]["attention"].pop(key)
+    assert before == after
+    with torch.device("meta"):
+        model = spec.model.build()
+    model.verify_module_protocol()
+    with pytest.raises(RuntimeError, match=r"core attention needs the micro-batch's StepPlan as attention_masks"):
+        q = torch.zeros(1, 4, 16, 16)
+        model.layers["0"].attention.inner_attention(q, q, q, attention_masks=None)

@@ -67,3 +67,12 @@ def test_cad_off_runs_torchtitans_own_attention(tmp_path):
     assert rc != 0
     assert "ca_rank=0/1" in log and "use distca" not in log and "ca step" not in log
     assert "aten::_flash_attention_forward" in log and "models/common/attention.py" in log, log[-4000:]
+
+
+def test_a_degree_that_does_not_divide_the_data_parallel_size_stops_every_rank(tmp_path):
+    """The one key checked when the world size is known (init_distributed, before the model is
+    built), with the 0.2.2 message."""
+    rc, log, _ = torchrun(2, tmp_path, "--training.steps", "1", "--core_attention.degree", "3")
+    assert rc != 0
+    assert "core_attention.degree=3 must divide the data-parallel size 2 (valid: -1 or one of [1, 2])" in log, log[-4000:]
+    assert "Training starts" not in log

@@ -8,17 +8,26 @@ Each returns a :class:`~torchtitan_ext.titan03.trainer.CoreAttentionTrainer.Conf
 
 from __future__ import annotations
 
-from torchtitan.components.loss import CrossEntropyLoss
-from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.optimizer import default_adamw, LRSchedulersContainer
-from torchtitan.config import ParallelismConfig, TrainingConfig
-from torchtitan.models.common.config_utils import decoder_vocab_size
-from torchtitan.models.llama3 import model_registry
+from torchtitan_ext.titan03 import _compat
 
-from torchtitan_ext.config import CoreAttention
-from torchtitan_ext.data import TOKENIZER_PATH
-from torchtitan_ext.titan03.data import CADataLoader
-from torchtitan_ext.titan03.trainer import CoreAttentionTrainer
+# torchtitan's models import triton at module level, and torchtitan's ConfigManager imports this
+# registry before anything else of ours runs: without the patches (a no-op on a CUDA machine with
+# triton) the import fails and ConfigManager reports it as "Config function ... not found".
+# Under `-m torchtitan.train` on CPU torchtitan has bound device_type="cuda" already, and this
+# raises an error that names the CPU launcher instead.
+_compat.apply()
+
+from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
+from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
+from torchtitan.components.optimizer import default_adamw, LRSchedulersContainer  # noqa: E402
+from torchtitan.config import ParallelismConfig, TrainingConfig  # noqa: E402
+from torchtitan.models.common.config_utils import decoder_vocab_size  # noqa: E402
+from torchtitan.models.llama3 import model_registry  # noqa: E402
+
+from torchtitan_ext.config import CoreAttention  # noqa: E402
+from torchtitan_ext.data import TOKENIZER_PATH  # noqa: E402
+from torchtitan_ext.titan03.data import CADataLoader  # noqa: E402
+from torchtitan_ext.titan03.trainer import CoreAttentionTrainer  # noqa: E402
 
 __all__ = ["llama3_debugmodel_ca"]
 
