@@ -26,13 +26,18 @@ _CA = re.compile(r"ca step\s+(\d+)\s+imbalance ([0-9.]+) \(colocated\) -> ([0-9.
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(log, TensorBoard scalars) of the same 8 steps, same seed and batches, under policy distca
-    (CAD rebalancing) and colocated (every rank serves its own queries: no work moves)."""
+    (CAD rebalancing), colocated (every rank serves its own queries: no work moves) and distca
+    after document placement (the same tokens per step, whole documents moved between ranks)."""
     out = {}
-    for policy in ("distca", "colocated"):
-        folder = tmp_path_factory.mktemp(policy)
-        rc, log, _ = torchrun(2, folder, *_SETTING, "--core_attention.policy", policy)
+    for name, args in (
+        ("distca", ("--core_attention.policy", "distca")),
+        ("colocated", ("--core_attention.policy", "colocated")),
+        ("placed", ("--core_attention.policy", "distca", "--core_attention.placement", "balance")),
+    ):
+        folder = tmp_path_factory.mktemp(name)
+        rc, log, _ = torchrun(2, folder, *_SETTING, *args)
         assert rc == 0 and "Training completed" in log, log[-6000:]
-        out[policy] = (log, scalars(folder))
+        out[name] = (log, scalars(folder))
     return out
 
 
@@ -50,12 +55,25 @@ def test_cad_trains_with_the_losses_of_colocated_attention(runs):
 
 
 def test_every_step_logs_a_ca_step_line(runs):
-    for policy, (log, tb) in runs.items():
+    for name, (log, tb) in runs.items():
         lines = _CA.findall(log)
         assert [int(m[0]) for m in lines] == list(range(1, _STEPS + 1)), log[-4000:]
-        assert {m[3] for m in lines} == {policy}
+        assert {m[3] for m in lines} == {"colocated" if name == "colocated" else "distca"}
         assert min(tb["ca/docs"].values()) > 5  # many documents per window, a new layout every step
         assert "core_attention: 6 attention layers use distca" in log and "CA group of 2 ranks" in log
+
+
+def test_placement_trains_on_the_same_tokens(runs):
+    """``--core_attention.placement balance`` reaches the loader (a field the trainer sets at
+    start-up): every step is placed, never worse balanced, and trains as the stream order
+    (rel 1e-5, the 0.2.2 suite's tolerance: only fp32 summation order differs)."""
+    (log, tb), (_, plain) = runs["placed"], runs["distca"]
+    tag = "loss_metrics/global_avg_loss"
+    got, want = ([r[tag][s] for s in sorted(r[tag])] for r in (tb, plain))
+    assert len(got) == _STEPS and got == pytest.approx(want, rel=1e-5), (got, want)
+    before, after = tb["ca/placement_imbalance_before"], tb["ca/placement_imbalance_after"]
+    assert sorted(before) == list(range(1, _STEPS + 1)) and all(after[s] <= before[s] + 1e-9 for s in before)
+    assert log.count("  placement ") >= _STEPS
 
 
 def test_cad_off_runs_torchtitans_own_attention(tmp_path):

@@ -128,6 +128,8 @@ class CoreAttentionTrainer(Trainer):
         """(layout key, planning future) of the next item, planned before it is drawn."""
         self._planning: ThreadPoolExecutor | None = None
         self._step_seconds: list[float] = []
+        self._step_placed: list[tuple[float, float]] = []
+        """This step's items' modelled imbalance (before, after) document placement."""
         if cfg.enable:
             # Before torchtitan builds anything: the model it builds is the converted one.
             n = ca_model.convert(config.model_spec.model, cfg)
@@ -178,7 +180,9 @@ class CoreAttentionTrainer(Trainer):
             if self.ca is None:
                 yield input_dict, labels
                 continue
-            data.pop_placement(input_dict)
+            placed = data.pop_placement(input_dict)
+            if placed is not None:
+                self._step_placed.append(placed)
             now, ahead = data.pop_layout(input_dict), data.pop_layout(input_dict, "next_")
             if now is not None:
                 guess, self._ahead = self._ahead, None
@@ -246,6 +250,10 @@ class CoreAttentionTrainer(Trainer):
             "ca/exposed_plan_ms": 1e3 * sum(sp.exposed_plan_seconds for sp in steps),
             "ca/docs": float(np.mean([s.num_docs for s in stats])),
         }
+        placed, self._step_placed = self._step_placed, []
+        if placed:  # modelled colocated max/mean over the step's slots, the loader's order -> placed
+            row["ca/placement_imbalance_before"] = float(np.mean([b for b, _ in placed]))
+            row["ca/placement_imbalance_after"] = float(np.mean([a for _, a in placed]))
         if self.metrics_processor.should_log(self.step):
             self.metrics_processor.logger.log(row, self.step)
             n_layers = len(self.config.model_spec.model.layers)
@@ -255,6 +263,10 @@ class CoreAttentionTrainer(Trainer):
                 f"bytes/layer fwd {row['ca/fwd_MiB_per_layer']:.2f} MiB bwd {row['ca/bwd_MiB_per_layer']:.2f} MiB "
                 f"(x{n_layers} layers)  plan {row['ca/plan_ms']:.1f} ms (exposed {row['ca/exposed_plan_ms']:.1f} ms)  "
                 f"docs {row['ca/docs']:.0f}"
+                + (
+                    f"  placement {row['ca/placement_imbalance_before']:.3f} -> {row['ca/placement_imbalance_after']:.3f}"
+                    if placed else ""
+                )  # fmt: skip
             )
 
     def train(self) -> None:
