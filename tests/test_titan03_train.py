@@ -4,6 +4,7 @@ core attention by distca. ~20 s per run on 2 cores."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -28,23 +29,23 @@ def runs(tmp_path_factory):
     """(log, TensorBoard scalars) of the same 8 steps, same seed and batches, under policy distca
     (CAD rebalancing), colocated (every rank serves its own queries: no work moves) and distca
     after document placement (the same tokens per step, whole documents moved between ranks)."""
-    out = {}
+    out, folders = {}, {}
     for name, args in (
         ("distca", ("--core_attention.policy", "distca")),
-        ("colocated", ("--core_attention.policy", "colocated")),
+        ("colocated", ("--core_attention.policy", "colocated", "--core_attention.compare_to", "{distca}")),
         ("placed", ("--core_attention.policy", "distca", "--core_attention.placement", "balance")),
     ):
-        folder = tmp_path_factory.mktemp(name)
-        rc, log, _ = torchrun(2, folder, *_SETTING, *args)
+        folders[name] = folder = tmp_path_factory.mktemp(name)
+        rc, log, _ = torchrun(2, folder, *_SETTING, *(a.format(**folders) for a in args))
         assert rc == 0 and "Training completed" in log, log[-6000:]
-        out[name] = (log, scalars(folder))
+        out[name] = (log, scalars(folder), folder)
     return out
 
 
 def test_cad_trains_with_the_losses_of_colocated_attention(runs):
     """Moving attention work between ranks changes no number: the same losses (rel 1e-4) and grad
     norms (rel 1e-3) as colocated, the 0.2.2 suite's tolerances; measured: identical."""
-    (_, ca), (_, colo) = runs["distca"], runs["colocated"]
+    (_, ca, _), (_, colo, _) = runs["distca"], runs["colocated"]
     for tag, rel in (("loss_metrics/global_avg_loss", 1e-4), ("grad_norm", 1e-3)):
         got, want = ([r[tag][s] for s in sorted(r[tag])] for r in (ca, colo))
         assert len(got) == _STEPS and got == pytest.approx(want, rel=rel), (tag, got, want)
@@ -55,7 +56,7 @@ def test_cad_trains_with_the_losses_of_colocated_attention(runs):
 
 
 def test_every_step_logs_a_ca_step_line(runs):
-    for name, (log, tb) in runs.items():
+    for name, (log, tb, _) in runs.items():
         lines = _CA.findall(log)
         assert [int(m[0]) for m in lines] == list(range(1, _STEPS + 1)), log[-4000:]
         assert {m[3] for m in lines} == {"colocated" if name == "colocated" else "distca"}
@@ -67,13 +68,25 @@ def test_placement_trains_on_the_same_tokens(runs):
     """``--core_attention.placement balance`` reaches the loader (a field the trainer sets at
     start-up): every step is placed, never worse balanced, and trains as the stream order
     (rel 1e-5, the 0.2.2 suite's tolerance: only fp32 summation order differs)."""
-    (log, tb), (_, plain) = runs["placed"], runs["distca"]
+    (log, tb, _), (_, plain, _) = runs["placed"], runs["distca"]
     tag = "loss_metrics/global_avg_loss"
     got, want = ([r[tag][s] for s in sorted(r[tag])] for r in (tb, plain))
     assert len(got) == _STEPS and got == pytest.approx(want, rel=1e-5), (got, want)
     before, after = tb["ca/placement_imbalance_before"], tb["ca/placement_imbalance_after"]
     assert sorted(before) == list(range(1, _STEPS + 1)) and all(after[s] <= before[s] + 1e-9 for s in before)
     assert log.count("  placement ") >= _STEPS
+
+
+def test_closing_summary_and_compare_to(runs):
+    """Every run writes ca_summary.json and a plot; the colocated run, told ``--core_attention.compare_to``
+    the distca run's folder, quotes both measured step times on the same batches (0.2.2's summary)."""
+    (_, _, ca_folder), (log, _, folder) = runs["distca"], runs["colocated"]
+    theirs = json.loads((ca_folder / "ca_summary.json").read_text())
+    mine = json.loads((folder / "ca_summary.json").read_text())
+    assert theirs["policy"] == "distca" and mine["policy"] == "colocated" and mine["batches"] == theirs["batches"]
+    assert (folder / "ca_summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    m = re.search(r"measured    colocated ([0-9.]+) s/step vs distca ([0-9.]+) s/step on the same batches", log)
+    assert m and float(m[2]) == pytest.approx(theirs["step_s"], abs=6e-4), log[-3000:]
 
 
 def test_cad_off_runs_torchtitans_own_attention(tmp_path):

@@ -21,9 +21,11 @@ With it off the model is torchtitan's own and the trainer only drops the loader'
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,7 +35,7 @@ from torchtitan.trainer import Trainer
 
 import distca
 from distca.cost import ModelShape, load_cost_model
-from torchtitan_ext import data
+from torchtitan_ext import data, report
 from torchtitan_ext.ca_mesh import build_ca_mesh
 from torchtitan_ext.config import CoreAttention, cost_model_name, nano_batches, validate
 from torchtitan_ext.planning import CAPlanner, StepPlan
@@ -128,6 +130,8 @@ class CoreAttentionTrainer(Trainer):
         """(layout key, planning future) of the next item, planned before it is drawn."""
         self._planning: ThreadPoolExecutor | None = None
         self._step_seconds: list[float] = []
+        self._records: list[report.StepRecord] = []
+        """Per-step numbers for the closing summary and plot (:mod:`torchtitan_ext.report`)."""
         self._step_placed: list[tuple[float, float]] = []
         """This step's items' modelled imbalance (before, after) document placement."""
         if cfg.enable:
@@ -254,9 +258,21 @@ class CoreAttentionTrainer(Trainer):
         if placed:  # modelled colocated max/mean over the step's slots, the loader's order -> placed
             row["ca/placement_imbalance_before"] = float(np.mean([b for b, _ in placed]))
             row["ca/placement_imbalance_after"] = float(np.mean([a for _, a in placed]))
+        n_layers = len(self.config.model_spec.model.layers)
+        per_step = n_layers * (1.0 + self.ca.cost_model.bwd_factor)  # one layer's forward -> the step's
+        self._records.append(
+            report.StepRecord(
+                step_s=self._step_seconds[-1], imbalance_colocated=row["ca/imbalance_colocated"],
+                imbalance=row["ca/imbalance"], bytes=n_layers * sum(s.fwd_bytes + s.bwd_bytes for s in stats),
+                plan_s=row["ca/plan_ms"] / 1e3, exposed_plan_s=row["ca/exposed_plan_ms"] / 1e3, docs=row["ca/docs"],
+                model_colocated_s=n_layers * sum(s.layer_seconds_colocated for s in stats),
+                model_s=n_layers * sum(s.layer_seconds for s in stats),
+                rank_colocated_s=tuple(per_step * np.sum([s.colocated_loads for s in stats], axis=0)),
+                rank_s=tuple(per_step * np.sum([s.loads for s in stats], axis=0)),
+            )  # fmt: skip
+        )
         if self.metrics_processor.should_log(self.step):
             self.metrics_processor.logger.log(row, self.step)
-            n_layers = len(self.config.model_spec.model.layers)
             logger.info(
                 f"ca step {self.step:2}  imbalance {row['ca/imbalance_colocated']:.3f} (colocated) -> "
                 f"{row['ca/imbalance']:.3f} ({self.ca.cfg.policy})  "
@@ -271,7 +287,47 @@ class CoreAttentionTrainer(Trainer):
 
     def train(self) -> None:
         super().train()
+        self._log_summary()
         self._completed = True
+
+    def _log_summary(self) -> None:
+        """The closing summary (every rank logs it; the console shows rank 0): ``ca_summary.json``
+        in the dump folder (what a later run's ``--core_attention.compare_to`` reads) and, with CAD
+        on, :func:`torchtitan_ext.report.summary_lines` and the plot, as the 0.2.2 adapter."""
+        cfg, tr = self.config.core_attention, self.config.training
+        folder = Path(self.config.dump_folder)
+        loader = self.config.dataloader
+        batches = {
+            "dataset": getattr(loader, "dataset", None), "dataset_path": getattr(loader, "dataset_path", None),
+            "seed": getattr(loader, "seed", None), "seq_len": tr.seq_len, "local_batch_size": tr.local_batch_size,
+            "global_batch_size": tr.global_batch_size,
+            "dp": self.parallel_dims.dp_shard * self.parallel_dims.dp_replicate, "steps": len(self._step_seconds),
+        }  # fmt: skip
+        baseline = report.load_summary(cfg.compare_to) if cfg.compare_to else None  # before ours is written
+        if torch.distributed.get_rank() == 0 and self._step_seconds:
+            folder.mkdir(parents=True, exist_ok=True)
+            policy = cfg.policy if self.ca is not None else "off"
+            summary = report.summary_json(policy, self._step_seconds, batches)
+            (folder / report.SUMMARY_JSON).write_text(json.dumps(summary, indent=1) + "\n")
+        if self.ca is None:
+            steps = self._step_seconds[1:] or self._step_seconds
+            if steps:
+                mean_s = float(np.mean(steps))
+                logger.info(
+                    f"summary: {len(self._step_seconds)} steps, {mean_s:.3f} s/step, "
+                    f"{tr.seq_len * tr.local_batch_size / mean_s:,.0f} tokens/s per rank (core attention off)"
+                )
+            return
+        run = report.RunRecord(
+            policy=cfg.policy, group_size=self.ca.size, layers=len(self.config.model_spec.model.layers),
+            tokens_per_step=tr.seq_len * tr.local_batch_size * self.gradient_accumulation_steps,
+            cost_model=self.ca.cost_model.name, steps=self._records, batches=batches,
+        )  # fmt: skip
+        path = None
+        if torch.distributed.get_rank() == 0 and self._records:
+            path = str(report.plot(run, folder / "ca_summary.png"))
+        for line in report.summary_lines(run, path, baseline):
+            logger.info(line)
 
     def close(self) -> None:
         if self._planning is not None:
