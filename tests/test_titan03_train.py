@@ -61,6 +61,10 @@ def test_every_step_logs_a_ca_step_line(runs):
         assert [int(m[0]) for m in lines] == list(range(1, _STEPS + 1)), log[-4000:]
         assert {m[3] for m in lines} == {"colocated" if name == "colocated" else "distca"}
         assert min(tb["ca/docs"].values()) > 5  # many documents per window, a new layout every step
+        # The clock marks around every call, forward and backward, were recorded.
+        for tag in ("ca/attn_fwd_s", "ca/attn_bwd_s"):
+            assert sorted(tb[tag]) == list(range(1, _STEPS + 1)) and min(tb[tag].values()) > 0, tag
+        assert log.count(" attn fwd ") == _STEPS
         assert "core_attention: 6 attention layers use distca" in log and "CA group of 2 ranks" in log
 
 
@@ -87,6 +91,7 @@ def test_closing_summary_and_compare_to(runs):
     assert (folder / "ca_summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     m = re.search(r"measured    colocated ([0-9.]+) s/step vs distca ([0-9.]+) s/step on the same batches", log)
     assert m and float(m[2]) == pytest.approx(theirs["step_s"], abs=6e-4), log[-3000:]
+    assert f"tensorboard {folder}/tb/" in log and "balance " in log  # measured per-rank attention
 
 
 def test_cad_off_runs_torchtitans_own_attention(tmp_path):

@@ -254,6 +254,9 @@ class CoreAttentionTrainer(Trainer):
             "ca/exposed_plan_ms": 1e3 * sum(sp.exposed_plan_seconds for sp in steps),
             "ca/docs": float(np.mean([s.num_docs for s in stats])),
         }
+        times = [sp.attention_seconds() for sp in steps]
+        if times and all(t is not None for t in times):
+            row["ca/attn_fwd_s"], row["ca/attn_bwd_s"] = sum(t[0] for t in times), sum(t[1] for t in times)
         placed, self._step_placed = self._step_placed, []
         if placed:  # modelled colocated max/mean over the step's slots, the loader's order -> placed
             row["ca/placement_imbalance_before"] = float(np.mean([b for b, _ in placed]))
@@ -269,6 +272,7 @@ class CoreAttentionTrainer(Trainer):
                 model_s=n_layers * sum(s.layer_seconds for s in stats),
                 rank_colocated_s=tuple(per_step * np.sum([s.colocated_loads for s in stats], axis=0)),
                 rank_s=tuple(per_step * np.sum([s.loads for s in stats], axis=0)),
+                attn_s=row["ca/attn_fwd_s"] + row["ca/attn_bwd_s"] if "ca/attn_fwd_s" in row else None,
             )  # fmt: skip
         )
         if self.metrics_processor.should_log(self.step):
@@ -278,7 +282,8 @@ class CoreAttentionTrainer(Trainer):
                 f"{row['ca/imbalance']:.3f} ({self.ca.cfg.policy})  "
                 f"bytes/layer fwd {row['ca/fwd_MiB_per_layer']:.2f} MiB bwd {row['ca/bwd_MiB_per_layer']:.2f} MiB "
                 f"(x{n_layers} layers)  plan {row['ca/plan_ms']:.1f} ms (exposed {row['ca/exposed_plan_ms']:.1f} ms)  "
-                f"docs {row['ca/docs']:.0f}"
+                + (f"attn fwd {row['ca/attn_fwd_s']:.3f} s bwd {row['ca/attn_bwd_s']:.3f} s  " if "ca/attn_fwd_s" in row else "")
+                + f"docs {row['ca/docs']:.0f}"
                 + (
                     f"  placement {row['ca/placement_imbalance_before']:.3f} -> {row['ca/placement_imbalance_after']:.3f}"
                     if placed else ""
@@ -322,7 +327,15 @@ class CoreAttentionTrainer(Trainer):
             policy=cfg.policy, group_size=self.ca.size, layers=len(self.config.model_spec.model.layers),
             tokens_per_step=tr.seq_len * tr.local_batch_size * self.gradient_accumulation_steps,
             cost_model=self.ca.cost_model.name, steps=self._records, batches=batches,
+            tensorboard_dir=self._tensorboard_dir(),
         )  # fmt: skip
+        timed = [r.attn_s for r in self._records[1:] if r.attn_s is not None]
+        mine = float(np.mean(timed)) if timed else float("nan")
+        # One small gather at the very end of a completed run (every rank of the group is here).
+        got: list = [None] * self.ca.size
+        torch.distributed.all_gather_object(got, mine, group=self.ca.group)
+        if all(np.isfinite(got)):
+            run.measured_rank_attn_s = tuple(float(x) for x in got)
         path = None
         if torch.distributed.get_rank() == 0 and self._records:
             path = str(report.plot(run, folder / "ca_summary.png"))
@@ -338,3 +351,11 @@ class CoreAttentionTrainer(Trainer):
         # a failed rank must not leave the others waiting here.
         if getattr(self, "_completed", False) and torch.distributed.is_initialized():
             torch.distributed.barrier()
+
+    def _tensorboard_dir(self) -> str | None:
+        """The TensorBoard run directory of torchtitan's metric logger (None: TensorBoard off)."""
+        for lg in getattr(self.metrics_processor.logger, "_loggers", []):
+            writer = getattr(lg, "writer", None)
+            if writer is not None:
+                return str(writer.log_dir)
+        return None
