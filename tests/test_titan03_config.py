@@ -100,7 +100,11 @@ def _parse_error(capsys, monkeypatch, *args: str) -> str:
          r"core_attention\.across_stages=true \(one CA group over the 2 pipeline stages\) needs"),
         (["--parallelism.tensor_parallel_degree", "2"],
          r"--parallelism\.tensor_parallel_degree=2 is not supported by the torchtitan 0\.3 adapter yet"),
-        (["--core_attention.pingpong"], r"--core_attention\.nano_batches=2 is not supported by the torchtitan 0\.3"),
+        (["--core_attention.mode", "keep", "--core_attention.no-across_stages", "activation-checkpoint:selective"],
+         r'core_attention\.mode="keep" cannot be combined with activation_checkpoint=selective'),
+        (["activation-checkpoint:full"],
+         r"activation-checkpoint:full is not supported by the torchtitan 0\.3 adapter yet .*; use activation-checkpoint:selective"),
+        (["--core_attention.pingpong"], r"--core_attention\.nano_batches=2 \(resolved\) is not supported by the torchtitan 0\.3"),
     ],
 )  # fmt: skip
 def test_a_bad_value_stops_at_start_up_naming_the_flag(args, match, capsys, monkeypatch):
@@ -187,3 +191,12 @@ def test_convert_swaps_attention_and_rope_configs_only():
     with pytest.raises(RuntimeError, match=r"core attention needs the micro-batch's StepPlan as attention_masks"):
         q = torch.zeros(1, 4, 16, 16)
         model.layers["0"].attention.inner_attention(q, q, q, attention_masks=None)
+
+
+def test_ca_selective_ac_saves_torchtitans_ops_and_core_attention():
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    from torchtitan_ext.titan03.model import CASelectiveAC
+
+    ours, theirs = CASelectiveAC.Config().build().get_save_ops(), SelectiveAC.Config().build().get_save_ops()
+    assert theirs < ours and torch.ops.distca.core_attention_fwd.default in ours - theirs

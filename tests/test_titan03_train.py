@@ -28,12 +28,14 @@ _CA = re.compile(r"ca step\s+(\d+)\s+imbalance ([0-9.]+) \(colocated\) -> ([0-9.
 def runs(tmp_path_factory):
     """(log, TensorBoard scalars) of the same 8 steps, same seed and batches, under policy distca
     (CAD rebalancing), colocated (every rank serves its own queries: no work moves) and distca
-    after document placement (the same tokens per step, whole documents moved between ranks)."""
+    after document placement (the same tokens per step, whole documents moved between ranks), and
+    distca under torchtitan's op-level selective activation checkpointing."""
     out, folders = {}, {}
     for name, args in (
         ("distca", ("--core_attention.policy", "distca")),
         ("colocated", ("--core_attention.policy", "colocated", "--core_attention.compare_to", "{distca}")),
         ("placed", ("--core_attention.policy", "distca", "--core_attention.placement", "balance")),
+        ("sac", ("--core_attention.policy", "distca", "activation-checkpoint:selective")),
     ):
         folders[name] = folder = tmp_path_factory.mktemp(name)
         rc, log, _ = torchrun(2, folder, *_SETTING, *(a.format(**folders) for a in args))
@@ -59,7 +61,7 @@ def test_every_step_logs_a_ca_step_line(runs):
     for name, (log, tb, _) in runs.items():
         lines = _CA.findall(log)
         assert [int(m[0]) for m in lines] == list(range(1, _STEPS + 1)), log[-4000:]
-        assert {m[3] for m in lines} == {"colocated" if name == "colocated" else "distca"}
+        assert {m[3] for m in lines} == {"colocated" if name == "colocated" else "distca"}, name
         assert min(tb["ca/docs"].values()) > 5  # many documents per window, a new layout every step
         # The clock marks around every call, forward and backward, were recorded.
         for tag in ("ca/attn_fwd_s", "ca/attn_bwd_s"):
@@ -92,6 +94,16 @@ def test_closing_summary_and_compare_to(runs):
     m = re.search(r"measured    colocated ([0-9.]+) s/step vs distca ([0-9.]+) s/step on the same batches", log)
     assert m and float(m[2]) == pytest.approx(theirs["step_s"], abs=6e-4), log[-3000:]
     assert f"tensorboard {folder}/tb/" in log and "balance " in log  # measured per-rank attention
+
+
+def test_selective_activation_checkpointing_saves_core_attention(runs):
+    """``activation-checkpoint:selective`` with CAD: torchtitan's SAC with distca's op on the save
+    list (CASelectiveAC), the same losses and grad norms as without checkpointing."""
+    (log, tb, _), (_, plain, _) = runs["sac"], runs["distca"]
+    assert "Applied CASelectiveAC activation checkpointing" in log
+    for tag, rel in (("loss_metrics/global_avg_loss", 1e-5), ("grad_norm", 1e-4)):
+        got, want = ([r[tag][s] for s in sorted(r[tag])] for r in (tb, plain))
+        assert len(got) == _STEPS and got == pytest.approx(want, rel=rel), (tag, got, want)
 
 
 def test_cad_off_runs_torchtitans_own_attention(tmp_path):

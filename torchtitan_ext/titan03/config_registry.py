@@ -38,8 +38,9 @@ def llama3_debugmodel_ca() -> CoreAttentionTrainer.Config:
     fp32, one row of 2048 tokens per rank, ``stdlib_defs`` text with the shipped tokenizer.
 
     Attention with CAD off is torchtitan's varlen (``--core_attention.no-enable``: GPU only,
-    torchtitan's varlen has no CPU kernel). No activation checkpointing and CUDA graphs off: the
-    0.3 adapter does not support them with CAD yet (docs/guides/torchtitan03.md). Model-parallel
+    torchtitan's varlen has no CPU kernel). No activation checkpointing (as the TOML;
+    ``activation-checkpoint:selective`` works with CAD) and CUDA graphs off (required with CAD;
+    docs/guides/torchtitan03.md). Model-parallel
     axes as DTensors (``parallelism.spmd_backend = "partial_dtensor"``), see below.
     """
     model_spec = model_registry("debugmodel", attn_backend="varlen")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import spmd_types as spmd
 import torch
 from spmd_types.runtime import get_partition_spec
+from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 from torchtitan.models.common.rope import ComplexRoPE
@@ -32,7 +33,7 @@ from torchtitan_ext.clock import mark
 from torchtitan_ext.config import CoreAttention
 from torchtitan_ext.planning import StepPlan
 
-__all__ = ["CARoPE", "CoreAttentionModule", "convert"]
+__all__ = ["CARoPE", "CASelectiveAC", "CoreAttentionModule", "convert"]
 
 
 class _MarkAfterBackward(torch.autograd.Function):
@@ -147,6 +148,28 @@ class CARoPE(ComplexRoPE):
         if config.span < 1:
             raise ValueError(f"CARoPE span={config.span} must be >= 1")
         super().__init__(dataclasses.replace(config, max_seq_len=config.max_seq_len * config.span))
+
+
+class CASelectiveAC(SelectiveAC):
+    """torchtitan's op-level selective activation checkpointing that also saves core attention.
+
+    The save list gains ``distca::core_attention_fwd`` (and the ping-pong phases' ops,
+    ``distca.pingpong.SAVEABLE_OPS``): its outputs ``out`` [T, Hq, D] and ``lse`` [Hq, T] are kept,
+    as SDPA's are, so the recompute in backward never re-runs the op, neither its kernel nor its
+    all-to-alls. The trainer puts it in place of ``SelectiveAC.Config`` with core attention on
+    (the config field is a closed union of torchtitan's own choices on the command line).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(SelectiveAC.Config):
+        pass
+
+    def get_save_ops(self) -> set:
+        from distca import pingpong  # registers torch.ops.distca (the op and the phases)
+
+        ops = {torch.ops.distca.core_attention_fwd.default}
+        ops |= {getattr(torch.ops.distca, name).default for name in pingpong.SAVEABLE_OPS}
+        return SelectiveAC.get_save_ops(self) | ops
 
 
 def convert(model_config, cfg: CoreAttention) -> int:

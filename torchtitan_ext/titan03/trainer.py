@@ -76,20 +76,34 @@ def _check(config: "CoreAttentionTrainer.Config", dp_size: int | None) -> int:
     )  # fmt: skip
     if not cfg.enable:
         return 1
-    unsupported = {
-        "parallelism.pipeline_parallel_degree": (p.pipeline_parallel_degree, p.pipeline_parallel_degree > 1, "1"),
-        "parallelism.tensor_parallel_degree": (p.tensor_parallel_degree, p.tensor_parallel_degree > 1, "1"),
-        "core_attention.nano_batches": (nano_batches(cfg), nano_batches(cfg) > 1, "1 (and pingpong false)"),
-        "activation_checkpoint": (ac_mode, ac_mode != "none", "none (activation-checkpoint:none)"),
-        "compile.enable": (config.compile.enable, config.compile.enable, "false"),
-        "validator.enable": (config.validator.enable, config.validator.enable, "false"),
-    }
-    for flag, (value, bad, want) in unsupported.items():
+    n_nano = nano_batches(cfg)
+    # (what the command line set, whether it is unsupported here, what to set instead)
+    unsupported = (
+        (f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}", p.pipeline_parallel_degree > 1,
+         "--parallelism.pipeline_parallel_degree 1"),
+        (f"--parallelism.tensor_parallel_degree={p.tensor_parallel_degree}", p.tensor_parallel_degree > 1,
+         "--parallelism.tensor_parallel_degree 1"),
+        (f"--core_attention.nano_batches={n_nano} (resolved)", n_nano > 1,
+         "--core_attention.nano_batches 1 and --core_attention.no-pingpong"),
+        (f"activation-checkpoint:{ac_mode}", ac_mode not in ("none", "selective"),
+         "activation-checkpoint:selective or activation-checkpoint:none"),
+        ("--compile.enable", config.compile.enable, "--compile.no-enable"),
+        ("--validator.enable", config.validator.enable, "--validator.no-enable"),
+    )  # fmt: skip
+    for given, bad, instead in unsupported:
         if bad:
             raise ValueError(
-                f"core_attention.enable=true with --{flag}={value} is not supported by the torchtitan 0.3 adapter "
-                f"yet (the 0.2.2 adapter, torchtitan_ext.train, supports it); set it to {want}"
+                f"core_attention.enable=true with {given} is not supported by the torchtitan 0.3 adapter yet "
+                f"(the 0.2.2 adapter, torchtitan_ext.train, supports it); use {instead}"
             )
+    if cfg.mode == "keep" and ac_mode != "none":
+        # Recomputation runs the forward twice; in "keep" mode every forward stashes its server
+        # tensors until its backward, and the first forward's never has one.
+        raise ValueError(
+            f'core_attention.mode="keep" cannot be combined with activation_checkpoint={ac_mode} (recomputed '
+            'forwards would leave server tensors stashed); use --core_attention.mode resend or '
+            "activation-checkpoint:none"
+        )
     if not config.training.disable_cuda_graphs:
         raise ValueError(
             "core_attention.enable=true needs --training.disable_cuda_graphs: every step has a new CA plan "
@@ -137,6 +151,10 @@ class CoreAttentionTrainer(Trainer):
         if cfg.enable:
             # Before torchtitan builds anything: the model it builds is the converted one.
             n = ca_model.convert(config.model_spec.model, cfg)
+            ac = config.activation_checkpoint
+            if type(ac) is SelectiveAC.Config:  # the same settings, core attention saved too
+                fields = {f.name: getattr(ac, f.name) for f in dataclasses.fields(SelectiveAC.Config)}
+                config.activation_checkpoint = ca_model.CASelectiveAC.Config(**fields)
             logger.info(f"core_attention: {n} attention layers use distca (policy {cfg.policy}, mode {cfg.mode})")
         super().__init__(config)
 
