@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test bench clean setup-titan03 test-titan03
 
 setup: $(STAMP)
 
@@ -41,5 +41,26 @@ bench: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=30 tests
 
+# The torchtitan 0.3.0 lane (torchtitan_ext.titan03, docs/guides/torchtitan03.md) in its own venv:
+# the two torchtitans cannot share one. Same order as `setup`: torch pinned first, torchtitan
+# --no-deps, then its runtime deps as our [titan03] extra under the same constraint.
+VENV03  := .venv-titan03
+PY03    := $(VENV03)/bin/python
+STAMP03 := $(VENV03)/.installed
+
+setup-titan03: $(STAMP03)
+
+$(STAMP03): pyproject.toml constraints/cpu.txt
+	$(PYTHON) -m venv $(VENV03)
+	$(PY03) -m pip install -q -c constraints/cpu.txt torch==2.13.0 numpy
+	$(PY03) -m pip install -q -c constraints/cpu.txt --no-deps torchtitan==0.3.0
+	$(PY03) -m pip install -q -c constraints/cpu.txt -e ".[titan03,test]"
+	$(PY03) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(STAMP03)
+
+# The 0.3 lane's tests only (tests/test_titan03*.py; the 0.2.2 venv skips them).
+test-titan03: $(STAMP03)
+	OMP_NUM_THREADS=1 $(PY03) -m pytest -q --durations=10 tests/test_titan03_config.py tests/test_titan03_train.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV03) build *.egg-info

@@ -9,11 +9,17 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "torchtitan_ext"
 
-VERSION_FREE = ("config", "ticks", "clock", "planning", "pipeline", "data", "report")
-"""Modules that work with any torchtitan: they import none at module level."""
+VERSION_FREE = ("config", "ticks", "clock", "planning", "pipeline", "data", "report", "ca_mesh", "_version")
+"""Modules that work with any torchtitan: they import none at module level (``ca_mesh`` reads
+``ParallelDims`` attributes that 0.2.2 and 0.3.0 share)."""
 
-TORCHTITAN_0_2_2 = ("_compat", "ca_mesh", "converter", "layers", "validate", "train")
-"""Modules written against torchtitan 0.2.2's internals (its trainer, validator, llama3 model, mesh)."""
+TORCHTITAN_0_2_2 = ("_compat", "converter", "layers", "validate", "train")
+"""Modules written against torchtitan 0.2.2's internals (its trainer, validator, llama3 model)."""
+
+TORCHTITAN_0_3 = tuple(
+    f"titan03{'.' + m if m else ''}" for m in ("", "_compat", "model", "data", "trainer", "config_registry", "train")
+)
+"""The torchtitan 0.3.0 adapter (``torchtitan_ext.titan03``): it may import the version-free modules only."""
 
 
 def _modules(package: Path = PACKAGE) -> dict[str, Path]:
@@ -112,12 +118,24 @@ def test_modules_import_each_other_at_module_level():
 
 def test_every_module_is_on_one_side_of_the_torchtitan_boundary():
     modules = set(_modules()) - {""}
-    assert not set(VERSION_FREE) & set(TORCHTITAN_0_2_2)
-    assert modules == set(VERSION_FREE) | set(TORCHTITAN_0_2_2), (
-        "classify every torchtitan_ext module as version-free or torchtitan-0.2.2 in tests/test_titan_imports.py: "
-        f"unclassified {sorted(modules - set(VERSION_FREE) - set(TORCHTITAN_0_2_2))}, "
-        f"gone {sorted((set(VERSION_FREE) | set(TORCHTITAN_0_2_2)) - modules)}"
+    sides = (set(VERSION_FREE), set(TORCHTITAN_0_2_2), set(TORCHTITAN_0_3))
+    assert not (sides[0] & sides[1] or sides[0] & sides[2] or sides[1] & sides[2])
+    known = set().union(*sides)
+    assert modules == known, (
+        "classify every torchtitan_ext module as version-free, torchtitan-0.2.2 or torchtitan-0.3 in "
+        f"tests/test_titan_imports.py: unclassified {sorted(modules - known)}, gone {sorted(known - modules)}"
     )
+
+
+def test_the_two_adapters_share_only_version_free_modules():
+    """Neither adapter imports the other: each runs in a venv that holds only its torchtitan."""
+    graph = _graph()
+    for side, other in ((TORCHTITAN_0_3, TORCHTITAN_0_2_2), (TORCHTITAN_0_2_2, TORCHTITAN_0_3)):
+        for m in side:
+            crossing = graph[m] & set(other)
+            assert not crossing, f"torchtitan_ext.{m} imports the other adapter's {sorted(crossing)}"
+    for m in VERSION_FREE:
+        assert not graph[m] - set(VERSION_FREE) - {""}, (m, graph[m])
 
 
 def test_version_free_modules_import_no_torchtitan():

@@ -29,6 +29,11 @@ from datetime import timedelta
 
 import torch
 
+from torchtitan_ext._version import require_torchtitan
+
+# The 0.2.2 adapter: under torchtitan 0.3.0 the error names torchtitan_ext.titan03's command.
+require_torchtitan("0.2.2", "torchtitan_ext.train (the torchtitan 0.2.2 adapter)")
+
 __all__ = ["apply", "applied", "PATCHES"]
 
 PATCHES = (

@@ -1,0 +1,379 @@
+"""``CoreAttentionTrainer``: torchtitan 0.3's Trainer with core attention disaggregation.
+
+``CoreAttentionTrainer.Config`` is ``Trainer.Config`` plus a ``core_attention`` field: the 0.2.2
+adapter's ``[core_attention]`` section (:class:`torchtitan_ext.config.CoreAttention`, validated by
+:func:`torchtitan_ext.config.validate`), so every key is a ``--core_attention.<key>`` flag with the
+same meaning and default. torchtitan's ``config.build()`` builds this trainer from it.
+
+With ``core_attention.enable`` the trainer, before torchtitan builds anything,
+
+1. converts the model config (:func:`torchtitan_ext.titan03.model.convert`): core attention by
+   distca in every layer, RoPE long enough for in-document positions of the CA group's window;
+2. at ``init_distributed``: carves the ``"ca"`` mesh dimension, makes the ``CAPlanner`` and tells
+   the data loader the CA degree;
+3. per micro-batch: plans the next item in a planning thread while this one computes, binds the
+   plan and passes it to the model as ``attention_masks``; before the optimizer step, agrees over
+   the CA group that no call was rejected (``distca.check``); logs a ``ca step`` line.
+
+With it off the model is torchtitan's own and the trainer only drops the loader's layout keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+import distca
+from distca.cost import ModelShape, load_cost_model
+from torchtitan_ext import data, report
+from torchtitan_ext.ca_mesh import build_ca_mesh
+from torchtitan_ext.config import CoreAttention, cost_model_name, nano_batches, validate
+from torchtitan_ext.planning import CAPlanner, StepPlan
+from torchtitan_ext.titan03 import model as ca_model
+from torchtitan_ext.titan03.data import CADataLoader
+
+__all__ = ["CoreAttentionTrainer"]
+
+_MiB = 1 << 20
+
+
+def _ac_mode(ac) -> tuple[str, str]:
+    """torchtitan 0.3's activation-checkpointing config as the 0.2.2 (mode, selective option) that
+    :func:`torchtitan_ext.config.validate` reads: 0.3's selective AC is op-level only."""
+    if ac is None:
+        return "none", "2"
+    if isinstance(ac, FullAC.Config):
+        return "full", "2"
+    if isinstance(ac, SelectiveAC.Config):
+        return "selective", "op"
+    return type(ac).__qualname__, "2"
+
+
+def _check(config: "CoreAttentionTrainer.Config", dp_size: int | None) -> int:
+    """Validate ``config.core_attention`` against the rest of the config; return the CA degree.
+
+    ``dp_size`` None (at parse time, before the world size is known) checks everything but the
+    degree, which :meth:`CoreAttentionTrainer.init_distributed` checks with the real size.
+    The 0.2.2 rules apply unchanged; the 0.3 adapter does not support yet what it rejects here
+    (docs/guides/torchtitan03.md, "Not yet supported")."""
+    cfg, p = config.core_attention, config.parallelism
+    ac_mode, ac_option = _ac_mode(config.activation_checkpoint)
+    known = dataclasses.replace(cfg, degree=-1) if dp_size is None else cfg
+    degree = validate(
+        known, dp_size=dp_size or 1, cp_degree=p.context_parallel_degree, tp_degree=p.tensor_parallel_degree,
+        pp_degree=p.pipeline_parallel_degree, pp_schedule=p.pipeline_parallel_schedule, ac_mode=ac_mode,
+        ac_option=ac_option,
+    )  # fmt: skip
+    if not cfg.enable:
+        return 1
+    n_nano = nano_batches(cfg)
+    # (what the command line set, whether it is unsupported here, what to set instead)
+    unsupported = (
+        (f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}", p.pipeline_parallel_degree > 1,
+         "--parallelism.pipeline_parallel_degree 1"),
+        (f"--parallelism.tensor_parallel_degree={p.tensor_parallel_degree}", p.tensor_parallel_degree > 1,
+         "--parallelism.tensor_parallel_degree 1"),
+        (f"--core_attention.nano_batches={n_nano} (resolved)", n_nano > 1,
+         "--core_attention.nano_batches 1 and --core_attention.no-pingpong"),
+        (f"activation-checkpoint:{ac_mode}", ac_mode not in ("none", "selective"),
+         "activation-checkpoint:selective or activation-checkpoint:none"),
+        ("--compile.enable", config.compile.enable, "--compile.no-enable"),
+        ("--validator.enable", config.validator.enable, "--validator.no-enable"),
+    )  # fmt: skip
+    for given, bad, instead in unsupported:
+        if bad:
+            raise ValueError(
+                f"core_attention.enable=true with {given} is not supported by the torchtitan 0.3 adapter yet "
+                f"(the 0.2.2 adapter, torchtitan_ext.train, supports it); use {instead}"
+            )
+    if cfg.mode == "keep" and ac_mode != "none":
+        # Recomputation runs the forward twice; in "keep" mode every forward stashes its server
+        # tensors until its backward, and the first forward's never has one.
+        raise ValueError(
+            f'core_attention.mode="keep" cannot be combined with activation_checkpoint={ac_mode} (recomputed '
+            'forwards would leave server tensors stashed); use --core_attention.mode resend or '
+            "activation-checkpoint:none"
+        )
+    if not config.training.disable_cuda_graphs:
+        raise ValueError(
+            "core_attention.enable=true needs --training.disable_cuda_graphs: every step has a new CA plan "
+            "(shapes and all-to-all splits), which a captured CUDA graph would replay stale"
+        )
+    if not isinstance(config.dataloader, CADataLoader.Config):
+        raise ValueError(
+            f"core_attention.enable=true needs the CA data loader (document boundaries of the CA group's "
+            f"window every step), got dataloader {type(config.dataloader).__qualname__}: use a config of "
+            "torchtitan_ext.titan03.config_registry"
+        )
+    return degree
+
+
+def _layout_key(cus: list[torch.Tensor], contexts: list) -> tuple:
+    return tuple(tuple(x.reshape(-1).tolist()) if x is not None else None for x in (*cus, *contexts))
+
+
+class CoreAttentionTrainer(Trainer):
+    """torchtitan 0.3's Trainer plus core attention disaggregation (see the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        core_attention: CoreAttention = field(default_factory=CoreAttention)
+        """The 0.2.2 adapter's ``[core_attention]`` section: ``--core_attention.<key>``."""
+
+        def __post_init__(self) -> None:
+            # slots dataclasses break zero-argument super(); call the parent's explicitly.
+            Trainer.Config.__post_init__(self)
+            _check(self, None)
+
+    def __init__(self, config: Config) -> None:
+        cfg = config.core_attention
+        self.ca: CAPlanner | None = None
+        self._step_plans: list[StepPlan] = []
+        """This step's micro-batch plans, dropped (freeing them) when the step is logged."""
+        self._ahead: tuple[tuple, Future] | None = None
+        """(layout key, planning future) of the next item, planned before it is drawn."""
+        self._planning: ThreadPoolExecutor | None = None
+        self._step_seconds: list[float] = []
+        self._records: list[report.StepRecord] = []
+        """Per-step numbers for the closing summary and plot (:mod:`torchtitan_ext.report`)."""
+        self._step_placed: list[tuple[float, float]] = []
+        """This step's items' modelled imbalance (before, after) document placement."""
+        if cfg.enable:
+            # Before torchtitan builds anything: the model it builds is the converted one.
+            n = ca_model.convert(config.model_spec.model, cfg)
+            ac = config.activation_checkpoint
+            if type(ac) is SelectiveAC.Config:  # the same settings, core attention saved too
+                fields = {f.name: getattr(ac, f.name) for f in dataclasses.fields(SelectiveAC.Config)}
+                config.activation_checkpoint = ca_model.CASelectiveAC.Config(**fields)
+            logger.info(f"core_attention: {n} attention layers use distca (policy {cfg.policy}, mode {cfg.mode})")
+        super().__init__(config)
+
+    # ---- start-up ----------------------------------------------------------------------------
+
+    def init_distributed(self):
+        parallel_dims = super().init_distributed()
+        config = self.config
+        cfg = config.core_attention
+        dp = parallel_dims.dp_replicate * parallel_dims.dp_shard
+        degree = _check(config, dp)
+        loader = config.dataloader
+        if not cfg.enable:
+            if isinstance(loader, CADataLoader.Config):
+                loader.ca_degree = 1
+            return parallel_dims
+        model_config = config.model_spec.model
+        attn = model_config.layers[0].attention
+        n_heads, n_kv = attn.n_heads, attn.n_kv_heads or attn.n_heads
+        head_dim = attn.head_dim or model_config.dim // n_heads
+        # Activations are bf16 only under FSDP's bf16 mixed precision.
+        bf16 = parallel_dims.fsdp_enabled and config.training.mixed_precision_param == "bfloat16"
+        shape = ModelShape(n_heads, n_kv, head_dim, 2 if bf16 else 4)
+        cost = cost_model_name(cfg, torch.cuda.is_available())
+        mesh = build_ca_mesh(parallel_dims, degree)
+        self.ca = CAPlanner(
+            cfg=cfg, mesh=mesh, degree=degree, rank=mesh.get_local_rank("ca"), nano_batches=1, microbatches=1,
+            shape=shape, cost_model=load_cost_model(cost),
+        )  # fmt: skip
+        self._planning = ThreadPoolExecutor(1, thread_name_prefix="distca-plan")
+        # In-document positions reach degree * seq_len - 1 (a document spanning the group).
+        ca_model.set_rope_span(model_config, degree)
+        loader.ca_degree, loader.nano_batches = degree, 1
+        if cfg.placement != "none":
+            loader.placement, loader.cost_model, loader.shape = cfg.placement, cost, shape
+        logger.info(
+            f"core_attention: CA group of {degree} ranks, {n_heads} query / {n_kv} KV heads, cost model {cost}"
+        )
+        return parallel_dims
+
+    # ---- planning ahead ----------------------------------------------------------------------
+
+    def batch_generator(self, data_iterable):
+        for input_dict, labels in super().batch_generator(data_iterable):
+            if self.ca is None:
+                yield input_dict, labels
+                continue
+            placed = data.pop_placement(input_dict)
+            if placed is not None:
+                self._step_placed.append(placed)
+            now, ahead = data.pop_layout(input_dict), data.pop_layout(input_dict, "next_")
+            if now is not None:
+                guess, self._ahead = self._ahead, None
+                # A stale guess (e.g. after a checkpoint load) is dropped.
+                fut = guess[1] if guess is not None and guess[0] == _layout_key(*now) else self._planning.submit(
+                    self.ca.plan, *now
+                )  # fmt: skip
+                if ahead is not None:
+                    self._ahead = (_layout_key(*ahead), self._planning.submit(self.ca.plan, *ahead))
+                # Not a tensor: torchtitan's move to the device leaves it alone.
+                input_dict["ca_planned"] = fut
+            yield input_dict, labels
+
+    def post_dataloading_process(self, input_dict, labels):
+        fut = input_dict.pop("ca_planned", None)
+        # Every key left in input_dict becomes a model-forward kwarg: drop the loader's layout keys.
+        for prefix in ("", "next_"):
+            data.pop_layout(input_dict, prefix)
+        data.pop_placement(input_dict)
+        if self.ca is None:
+            return super().post_dataloading_process(input_dict, labels)
+        if fut is None:
+            raise RuntimeError("a CA batch without its plan: items must come through CoreAttentionTrainer.batch_generator")
+        t0 = time.perf_counter()
+        planned = fut.result()
+        step = self.ca.bind(planned, waited=time.perf_counter() - t0)
+        self._step_plans.append(step)
+        # positions (in-document, over the CA group's window) stay: GQAttention's RoPE reads them.
+        inputs, labels, extra_kwargs = super().post_dataloading_process(input_dict, labels)
+        extra_kwargs["attention_masks"] = step
+        return inputs, labels, extra_kwargs
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        if self.ca is not None and len(self._step_plans) == self.gradient_accumulation_steps:
+            self._check_step()  # the step's last micro-batch: before clipping and the optimizer step
+        return loss
+
+    def _check_step(self) -> None:
+        """One agreement over the CA group (``distca.check``) that raises on every rank if any rank
+        rejected a core-attention call of this step, so no parameter is updated from it."""
+        plans = [p for sp in self._step_plans for p in sp.plans]
+        distca.check(plans)
+        if self.ca.spec is None:  # the first step agreed the layers' call shape: later plans are agreed when bound
+            specs = {p.spec for p in plans if p.spec is not None}
+            if len(specs) == 1:
+                self.ca.spec = specs.pop()
+
+    # ---- metrics -----------------------------------------------------------------------------
+
+    def train_step(self, data_iterator) -> None:
+        t0 = time.perf_counter()
+        super().train_step(data_iterator)
+        self._step_seconds.append(time.perf_counter() - t0)
+        if self.ca is None:
+            return
+        steps, self._step_plans = self._step_plans, []
+        stats = [s for sp in steps for s in sp.stats]
+        row = {
+            "ca/imbalance_colocated": float(np.mean([s.imbalance_colocated for s in stats])),
+            "ca/imbalance": float(np.mean([s.imbalance for s in stats])),
+            "ca/fwd_MiB_per_layer": sum(s.fwd_bytes for s in stats) / _MiB,
+            "ca/bwd_MiB_per_layer": sum(s.bwd_bytes for s in stats) / _MiB,
+            "ca/plan_ms": 1e3 * sum(s.plan_seconds for s in stats),
+            "ca/exposed_plan_ms": 1e3 * sum(sp.exposed_plan_seconds for sp in steps),
+            "ca/docs": float(np.mean([s.num_docs for s in stats])),
+        }
+        times = [sp.attention_seconds() for sp in steps]
+        if times and all(t is not None for t in times):
+            row["ca/attn_fwd_s"], row["ca/attn_bwd_s"] = sum(t[0] for t in times), sum(t[1] for t in times)
+        placed, self._step_placed = self._step_placed, []
+        if placed:  # modelled colocated max/mean over the step's slots, the loader's order -> placed
+            row["ca/placement_imbalance_before"] = float(np.mean([b for b, _ in placed]))
+            row["ca/placement_imbalance_after"] = float(np.mean([a for _, a in placed]))
+        n_layers = len(self.config.model_spec.model.layers)
+        per_step = n_layers * (1.0 + self.ca.cost_model.bwd_factor)  # one layer's forward -> the step's
+        self._records.append(
+            report.StepRecord(
+                step_s=self._step_seconds[-1], imbalance_colocated=row["ca/imbalance_colocated"],
+                imbalance=row["ca/imbalance"], bytes=n_layers * sum(s.fwd_bytes + s.bwd_bytes for s in stats),
+                plan_s=row["ca/plan_ms"] / 1e3, exposed_plan_s=row["ca/exposed_plan_ms"] / 1e3, docs=row["ca/docs"],
+                model_colocated_s=n_layers * sum(s.layer_seconds_colocated for s in stats),
+                model_s=n_layers * sum(s.layer_seconds for s in stats),
+                rank_colocated_s=tuple(per_step * np.sum([s.colocated_loads for s in stats], axis=0)),
+                rank_s=tuple(per_step * np.sum([s.loads for s in stats], axis=0)),
+                attn_s=row["ca/attn_fwd_s"] + row["ca/attn_bwd_s"] if "ca/attn_fwd_s" in row else None,
+            )  # fmt: skip
+        )
+        if self.metrics_processor.should_log(self.step):
+            self.metrics_processor.logger.log(row, self.step)
+            logger.info(
+                f"ca step {self.step:2}  imbalance {row['ca/imbalance_colocated']:.3f} (colocated) -> "
+                f"{row['ca/imbalance']:.3f} ({self.ca.cfg.policy})  "
+                f"bytes/layer fwd {row['ca/fwd_MiB_per_layer']:.2f} MiB bwd {row['ca/bwd_MiB_per_layer']:.2f} MiB "
+                f"(x{n_layers} layers)  plan {row['ca/plan_ms']:.1f} ms (exposed {row['ca/exposed_plan_ms']:.1f} ms)  "
+                + (f"attn fwd {row['ca/attn_fwd_s']:.3f} s bwd {row['ca/attn_bwd_s']:.3f} s  " if "ca/attn_fwd_s" in row else "")
+                + f"docs {row['ca/docs']:.0f}"
+                + (
+                    f"  placement {row['ca/placement_imbalance_before']:.3f} -> {row['ca/placement_imbalance_after']:.3f}"
+                    if placed else ""
+                )  # fmt: skip
+            )
+
+    def train(self) -> None:
+        super().train()
+        self._log_summary()
+        self._completed = True
+
+    def _log_summary(self) -> None:
+        """The closing summary (every rank logs it; the console shows rank 0): ``ca_summary.json``
+        in the dump folder (what a later run's ``--core_attention.compare_to`` reads) and, with CAD
+        on, :func:`torchtitan_ext.report.summary_lines` and the plot, as the 0.2.2 adapter."""
+        cfg, tr = self.config.core_attention, self.config.training
+        folder = Path(self.config.dump_folder)
+        loader = self.config.dataloader
+        batches = {
+            "dataset": getattr(loader, "dataset", None), "dataset_path": getattr(loader, "dataset_path", None),
+            "seed": getattr(loader, "seed", None), "seq_len": tr.seq_len, "local_batch_size": tr.local_batch_size,
+            "global_batch_size": tr.global_batch_size,
+            "dp": self.parallel_dims.dp_shard * self.parallel_dims.dp_replicate, "steps": len(self._step_seconds),
+        }  # fmt: skip
+        baseline = report.load_summary(cfg.compare_to) if cfg.compare_to else None  # before ours is written
+        if torch.distributed.get_rank() == 0 and self._step_seconds:
+            folder.mkdir(parents=True, exist_ok=True)
+            policy = cfg.policy if self.ca is not None else "off"
+            summary = report.summary_json(policy, self._step_seconds, batches)
+            (folder / report.SUMMARY_JSON).write_text(json.dumps(summary, indent=1) + "\n")
+        if self.ca is None:
+            steps = self._step_seconds[1:] or self._step_seconds
+            if steps:
+                mean_s = float(np.mean(steps))
+                logger.info(
+                    f"summary: {len(self._step_seconds)} steps, {mean_s:.3f} s/step, "
+                    f"{tr.seq_len * tr.local_batch_size / mean_s:,.0f} tokens/s per rank (core attention off)"
+                )
+            return
+        run = report.RunRecord(
+            policy=cfg.policy, group_size=self.ca.size, layers=len(self.config.model_spec.model.layers),
+            tokens_per_step=tr.seq_len * tr.local_batch_size * self.gradient_accumulation_steps,
+            cost_model=self.ca.cost_model.name, steps=self._records, batches=batches,
+            tensorboard_dir=self._tensorboard_dir(),
+        )  # fmt: skip
+        timed = [r.attn_s for r in self._records[1:] if r.attn_s is not None]
+        mine = float(np.mean(timed)) if timed else float("nan")
+        # One small gather at the very end of a completed run (every rank of the group is here).
+        got: list = [None] * self.ca.size
+        torch.distributed.all_gather_object(got, mine, group=self.ca.group)
+        if all(np.isfinite(got)):
+            run.measured_rank_attn_s = tuple(float(x) for x in got)
+        path = None
+        if torch.distributed.get_rank() == 0 and self._records:
+            path = str(report.plot(run, folder / "ca_summary.png"))
+        for line in report.summary_lines(run, path, baseline):
+            logger.info(line)
+
+    def close(self) -> None:
+        if self._planning is not None:
+            self._planning.shutdown(wait=True, cancel_futures=True)
+        super().close()
+        # torchtitan's main() destroys the process group right after close(); on gloo a barrier
+        # first avoids an occasional abort in destroy_process_group. Only after a completed run:
+        # a failed rank must not leave the others waiting here.
+        if getattr(self, "_completed", False) and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    def _tensorboard_dir(self) -> str | None:
+        """The TensorBoard run directory of torchtitan's metric logger (None: TensorBoard off)."""
+        for lg in getattr(self.metrics_processor.logger, "_loggers", []):
+            writer = getattr(lg, "writer", None)
+            if writer is not None:
+                return str(writer.log_dir)
+        return None
