@@ -219,3 +219,39 @@ def plot(run: RunRecord, path: str | Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def closing_summary(
+    *, policy: str, step_seconds: list[float], batches: dict, folder: Path, baseline: dict | None,
+    tokens_per_rank_step: int, run: RunRecord | None, group=None, group_size: int = 1,
+) -> list[str]:  # fmt: skip
+    """A completed run's closing summary, for both torchtitan adapters: writes ``SUMMARY_JSON`` in
+    ``folder`` on global rank 0 (what a later run's ``compare_to`` reads) and returns the lines to
+    log. With CAD on (``run`` given) every rank of the CA ``group`` (``group_size`` ranks) must call
+    it: one small gather of each rank's measured attention seconds per step; global rank 0 also
+    writes the plot. Without CAD: one line of step time and tokens/s (``tokens_per_rank_step``)."""
+    import torch.distributed as dist
+
+    rank0 = dist.get_rank() == 0
+    if rank0 and step_seconds:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / SUMMARY_JSON).write_text(json.dumps(summary_json(policy, step_seconds, batches), indent=1) + "\n")
+    if run is None:
+        steps = step_seconds[1:] or step_seconds
+        if not steps:
+            return []
+        mean_s = float(np.mean(steps))
+        return [
+            f"summary: {len(step_seconds)} steps, {mean_s:.3f} s/step, "
+            f"{tokens_per_rank_step / mean_s:,.0f} tokens/s per rank (core attention off)"
+        ]
+    timed = [r.attn_s for r in run.steps[1:] if r.attn_s is not None]
+    mine = float(np.mean(timed)) if timed else float("nan")
+    # One small gather at the very end of a completed run (every rank of the group is here).
+    got: list = [None] * group_size
+    dist.all_gather_object(got, mine, group=group)
+    if all(np.isfinite(got)):
+        run.measured_rank_attn_s = tuple(float(x) for x in got)
+    path = str(plot(run, folder / "ca_summary.png")) if rank0 and run.steps else None
+    return summary_lines(run, path, baseline)
+

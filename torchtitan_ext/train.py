@@ -20,7 +20,6 @@ from torchtitan_ext import _compat
 _compat.apply()
 
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
@@ -435,40 +434,19 @@ class CoreAttentionTrainer(Trainer):
         batches = self._batches()
         compare_to = self.ca.cfg.compare_to if self.ca is not None else ""
         baseline = report.load_summary(compare_to) if compare_to else None  # before this run's own is written
-        if torch.distributed.get_rank() == 0 and st.step_seconds:
-            # For a later run's --core_attention.compare_to: a speedup is quoted only when measured.
-            policy = self.ca.cfg.policy if self.ca is not None else "off"
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / report.SUMMARY_JSON).write_text(
-                json.dumps(report.summary_json(policy, st.step_seconds, batches), indent=1) + "\n"
-            )
-        if self.ca is None:
-            steps = st.step_seconds[1:] or st.step_seconds
-            if steps:
-                mean_s = float(np.mean(steps))
-                logger.info(
-                    f"summary: {len(st.step_seconds)} steps, {mean_s:.3f} s/step, "
-                    f"{tr.seq_len * tr.local_batch_size / mean_s:,.0f} tokens/s per rank (core attention off)"
-                )
-            lines = []
-        else:
+        run = None
+        if self.ca is not None:
             run = report.RunRecord(
                 policy=self.ca.cfg.policy, group_size=self.ca.size, layers=self.model_args.n_layers,
                 tokens_per_step=tr.seq_len * tr.local_batch_size * self.gradient_accumulation_steps,
                 cost_model=self.ca.cost_model.name, steps=st.records, tensorboard_dir=self._tensorboard_dir(),
                 batches=batches,
             )  # fmt: skip
-            timed = [r.attn_s for r in st.records[1:] if r.attn_s is not None]
-            mine = float(np.mean(timed)) if timed else float("nan")
-            # One small gather at the very end of a completed run (every rank of the group is here).
-            got: list = [None] * self.ca.size
-            torch.distributed.all_gather_object(got, mine, group=self.ca.group)
-            if all(np.isfinite(got)):
-                run.measured_rank_attn_s = tuple(float(x) for x in got)
-            path = None
-            if torch.distributed.get_rank() == 0 and st.records:
-                path = str(report.plot(run, folder / "ca_summary.png"))
-            lines = report.summary_lines(run, path, baseline)
+        lines = report.closing_summary(
+            policy=self.ca.cfg.policy if self.ca is not None else "off", step_seconds=st.step_seconds, batches=batches,
+            folder=folder, baseline=baseline, tokens_per_rank_step=tr.seq_len * tr.local_batch_size, run=run,
+            group=self.ca.group if self.ca is not None else None, group_size=self.ca.size if self.ca is not None else 1,
+        )  # fmt: skip
         if st.graphs:
             # A new plan every step must not recompile: the plan reaches compiled code as a tensor.
             lines.append(f"  compile     torch.compile: {st.graphs[0]} graphs in step 1, {st.graphs[-1] - st.graphs[0]} more after")

@@ -21,7 +21,6 @@ With it off the model is torchtitan's own and the trainer only drops the loader'
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -327,37 +326,20 @@ class CoreAttentionTrainer(Trainer):
             "dp": self.parallel_dims.dp_shard * self.parallel_dims.dp_replicate, "steps": len(self._step_seconds),
         }  # fmt: skip
         baseline = report.load_summary(cfg.compare_to) if cfg.compare_to else None  # before ours is written
-        if torch.distributed.get_rank() == 0 and self._step_seconds:
-            folder.mkdir(parents=True, exist_ok=True)
-            policy = cfg.policy if self.ca is not None else "off"
-            summary = report.summary_json(policy, self._step_seconds, batches)
-            (folder / report.SUMMARY_JSON).write_text(json.dumps(summary, indent=1) + "\n")
-        if self.ca is None:
-            steps = self._step_seconds[1:] or self._step_seconds
-            if steps:
-                mean_s = float(np.mean(steps))
-                logger.info(
-                    f"summary: {len(self._step_seconds)} steps, {mean_s:.3f} s/step, "
-                    f"{tr.seq_len * tr.local_batch_size / mean_s:,.0f} tokens/s per rank (core attention off)"
-                )
-            return
-        run = report.RunRecord(
-            policy=cfg.policy, group_size=self.ca.size, layers=len(self.config.model_spec.model.layers),
-            tokens_per_step=tr.seq_len * tr.local_batch_size * self.gradient_accumulation_steps,
-            cost_model=self.ca.cost_model.name, steps=self._records, batches=batches,
-            tensorboard_dir=self._tensorboard_dir(),
+        run = None
+        if self.ca is not None:
+            run = report.RunRecord(
+                policy=cfg.policy, group_size=self.ca.size, layers=len(self.config.model_spec.model.layers),
+                tokens_per_step=tr.seq_len * tr.local_batch_size * self.gradient_accumulation_steps,
+                cost_model=self.ca.cost_model.name, steps=self._records, batches=batches,
+                tensorboard_dir=self._tensorboard_dir(),
+            )  # fmt: skip
+        lines = report.closing_summary(
+            policy=cfg.policy if self.ca is not None else "off", step_seconds=self._step_seconds, batches=batches,
+            folder=folder, baseline=baseline, tokens_per_rank_step=tr.seq_len * tr.local_batch_size, run=run,
+            group=self.ca.group if self.ca is not None else None, group_size=self.ca.size if self.ca is not None else 1,
         )  # fmt: skip
-        timed = [r.attn_s for r in self._records[1:] if r.attn_s is not None]
-        mine = float(np.mean(timed)) if timed else float("nan")
-        # One small gather at the very end of a completed run (every rank of the group is here).
-        got: list = [None] * self.ca.size
-        torch.distributed.all_gather_object(got, mine, group=self.ca.group)
-        if all(np.isfinite(got)):
-            run.measured_rank_attn_s = tuple(float(x) for x in got)
-        path = None
-        if torch.distributed.get_rank() == 0 and self._records:
-            path = str(report.plot(run, folder / "ca_summary.png"))
-        for line in report.summary_lines(run, path, baseline):
+        for line in lines:
             logger.info(line)
 
     def close(self) -> None:
