@@ -4,7 +4,7 @@ Plan once per step (pure, deterministic, identical on every rank), then run
 every layer's core attention on the planned attention servers.
 """
 
-from distca.api import CallSpec, CoreAttention, DispatchPlan, check, core_attention, prepare, serve_idle
+from distca.api import CallSpec, CoreAttention, DispatchPlan, check, core_attention, prepare, prepare_all, serve_idle
 from distca.cost import MODEL_SHAPES, CostModel, ModelShape, causal_pairs, load_cost_model
 from distca.layout import Layout, split_nano_batches
 from distca.planner import POLICIES, Placement, Plan, place, plan
@@ -14,6 +14,7 @@ __all__ = [
     "core_attention",
     "CoreAttention",
     "prepare",
+    "prepare_all",
     "check",
     "serve_idle",
     "DispatchPlan",

@@ -18,6 +18,7 @@ and :mod:`distca.exchange` (the one transport). The error contract is in
 
 from __future__ import annotations
 
+import hashlib
 from typing import Sequence
 
 import numpy as np
@@ -34,7 +35,7 @@ from distca.layout import Layout
 from distca.mesh import resolve_group
 from distca.planner import Plan, Policy, plan as make_plan
 
-__all__ = ["CallSpec", "DispatchPlan", "prepare", "core_attention", "check", "serve_idle", "CoreAttention"]
+__all__ = ["CallSpec", "DispatchPlan", "prepare", "prepare_all", "core_attention", "check", "serve_idle", "CoreAttention"]
 
 
 def prepare(
@@ -90,6 +91,80 @@ def prepare(
             on every rank, also for what local checks cannot see (ranks passing different plans).
     """
     pg = resolve_group(group)
+    p, meta, err = _local_plan(
+        pg, plan_or_cu_seqlens, tokens_per_rank, context, padding, policy, dispatch, kv_prefix, spec, verify, plan_kwargs
+    )  # fmt: skip
+    state = PlanState(spec=spec if isinstance(spec, CallSpec) else None)
+    # A bad verify joins an agreement too: its fields pair with a peer's prepare or first layer.
+    # The agreement also raises, on every rank, any call this rank rejected since the group's last one.
+    if verify != "first_use":
+        _admission.agree(pg, err, _admission.fields(_digest(p), _rows(meta, spec), state.spec))
+        state.agreed = state.spec is not None
+    return _registered(p, meta, pg, err, verify, state)
+
+
+def prepare_all(
+    plans: Sequence[Plan],
+    group: dist.ProcessGroup | "torch.distributed.device_mesh.DeviceMesh" | None = None,
+    *,
+    dispatches: Sequence[DispatchMeta] | None = None,
+    spec: CallSpec | None = None,
+    verify: Verify = "now",
+) -> tuple[DispatchPlan, ...]:
+    """:func:`prepare` for several plans of one CA group, agreed in **one** collective instead of
+    one per plan: e.g. every sub-tick plan of a pipeline step, made ahead of time. The same as
+    ``tuple(prepare(p, group, dispatch=d, spec=spec, verify=verify) for p, d in zip(plans,
+    dispatches))`` in everything but the number of agreements: the group agrees on all the plans'
+    digests and rows at once (``verify="now"``), and any rank's bad input, in any of its plans
+    (named by index), raises ``ValueError`` on every rank. With ``verify="first_use"`` nothing is
+    agreed here and each plan's first call agrees, as with :func:`prepare`.
+
+    Args:
+        plans: :class:`Plan` objects, the same on every rank, in the same order.
+        dispatches: optional, this rank's ``distca.dispatch.build_dispatch(plan, rank)`` for
+            each plan (made ahead of time); default: built here.
+        spec, verify: as for :func:`prepare`, for every plan.
+
+    Example::
+
+        dps = distca.prepare_all([distca.plan(lay, "distca") for lay in layouts], group)
+    """
+    pg = resolve_group(group)
+    plans = list(plans) if isinstance(plans, (list, tuple)) else plans
+    err: str | None = None
+    if not isinstance(plans, list):
+        plans, err = [], f"plans must be a list or tuple of distca.Plan, got {type(plans).__name__}"
+    elif verify not in ("now", "first_use", "every_call"):
+        err = f'verify must be "now", "first_use" or "every_call", got {verify!r}'
+    ds = list(dispatches) if dispatches is not None else [None] * len(plans)
+    if err is None and len(ds) != len(plans):
+        err = f"dispatches has {len(ds)} entries for {len(plans)} plans (one per plan, or None)"
+        ds = [None] * len(plans)
+    made = []
+    for i, (p, d) in enumerate(zip(plans, ds)):
+        if not isinstance(p, Plan):
+            made.append((None, None, f"plans[{i}] must be a distca.Plan, got {type(p).__name__}"))
+        else:
+            made.append(_local_plan(pg, p, None, (), (), "distca", d, False, spec, verify, {}))
+    if err is None:
+        err = next((f"plans[{i}]: {e}" for i, (_, _, e) in enumerate(made) if e is not None), None)
+    states = [PlanState(spec=spec if isinstance(spec, CallSpec) else None) for _ in made]
+    if verify != "first_use":
+        # One record for all: a digest of every plan's digest and rows, in order (so also their number).
+        key = repr([(_digest(p), _rows(m, spec)) for p, m, _ in made]).encode()
+        digest = int(hashlib.blake2b(key, digest_size=8).hexdigest()[:15], 16)
+        rows = _rows(made[0][1], spec) if made else (-1, -1)
+        _admission.agree(pg, err, _admission.fields(digest, rows, states[0].spec if states else None))
+        for st in states:
+            st.agreed = st.spec is not None
+    return tuple(_registered(p, m, pg, e, verify, st) for (p, m, e), st in zip(made, states))
+
+
+def _local_plan(
+    pg: dist.ProcessGroup, plan_or_cu_seqlens, tokens_per_rank, context, padding, policy, dispatch, kv_prefix, spec,
+    verify, plan_kwargs,
+) -> tuple[Plan | None, DispatchMeta | None, str | None]:  # fmt: skip
+    """This rank's plan, dispatch metadata and input error for :func:`prepare` (no collective)."""
     R, rank = dist.get_world_size(pg), dist.get_rank(pg)
     err = None
     if context and isinstance(plan_or_cu_seqlens, (Plan, Layout)):
@@ -134,17 +209,22 @@ def prepare(
             p = make_plan(lay, policy, **plan_kwargs)
         except (ValueError, TypeError) as e:
             err, p = str(e), None
-    digest = int(p.digest()[:15], 16) if p is not None else 0
-    state = PlanState(spec=spec if isinstance(spec, CallSpec) else None)
-    # A bad verify joins an agreement too: its fields pair with a peer's prepare or first layer.
-    # The agreement also raises, on every rank, any call this rank rejected since the group's last one.
     meta = None if err is not None else dispatch if dispatch is not None else build_dispatch(p, rank, kv_prefix=kv_prefix)
-    if verify != "first_use":
-        rows = (meta.tokens_per_rank, meta.kv_rows) if meta is not None and spec is not None else (-1, -1)
-        _admission.agree(pg, err, _admission.fields(digest, rows, state.spec))
-        state.agreed = state.spec is not None
+    return p, meta, err
+
+
+def _digest(p: Plan | None) -> int:
+    return int(p.digest()[:15], 16) if p is not None else 0
+
+
+def _rows(meta: DispatchMeta | None, spec: object) -> tuple[int, int]:
+    """The call rows (T, K/V rows) agreed with a plan when its call shape is given, else unknown."""
+    return (meta.tokens_per_rank, meta.kv_rows) if meta is not None and spec is not None else (-1, -1)
+
+
+def _registered(p, meta, pg, err, verify, state) -> DispatchPlan:
     return register(DispatchPlan(
-        p if err is None else None, meta, pg, new_handle(), digest=digest, error=err,
+        p if err is None else None, meta, pg, new_handle(), digest=_digest(p), error=err,
         verify=verify if verify in ("now", "first_use", "every_call") else "now", state=state,
     ))  # fmt: skip
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_workers
+from dist_utils import count_collectives, run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,6 +126,53 @@ def test_unraised_errors_reach_every_rank_once():
     assert "(and 1 more rejected call)" in res[1]["check_both"]
     assert "but the plan was prepared on process group" in res[1]["group_at_check"]
     assert "rank 1 says" in res[0]["group_at_check"] and "discard it" in res[0]["group_at_check"]
+
+
+def _prepare_all_worker(rank, world):
+    import distca
+
+    torch.manual_seed(0)
+    T = 16
+    layouts = [distca.Layout((0, 5, 32), 2, T), distca.Layout((0, 30, 32), 2, T), distca.Layout((0, 16, 32), 2, T)]
+    plans = [distca.plan(lay, "distca", min_shard=1) for lay in layouts]
+    spec = distca.CallSpec(4, 2, 8, torch.float32)
+    q, k, v = torch.randn(T, 4, 8), torch.randn(T, 2, 8), torch.randn(T, 2, 8)
+    res = {}
+    with count_collectives() as calls:
+        dps = distca.prepare_all(plans, spec=spec)
+    res["agreements"] = calls.count()
+    one_by_one = [distca.prepare(p, spec=spec) for p in plans]
+    with count_collectives() as calls:
+        outs = [distca.core_attention(q, k, v, None, plan=dp) for dp in dps]
+    res["call_agreements"] = sum(c.send_splits is None for c in calls)  # an agreement passes no splits
+    res["same"] = all(torch.equal(a, distca.core_attention(q, k, v, None, plan=b)) for a, b in zip(outs, one_by_one))
+    res["check"] = _error(lambda: distca.check(list(dps) + one_by_one))
+    # A plan for another group size on rank 1, as the second of three: raised on both ranks, named.
+    bad = list(plans)
+    if rank == 1:
+        bad[1] = distca.plan(distca.Layout((0, 5, 48), 3, T), "distca")
+    res["bad_plan"] = _error(lambda: distca.prepare_all(bad, spec=spec))
+    # Ranks passing different plans (in the same count) disagree, on both ranks.
+    res["differ"] = _error(lambda: distca.prepare_all(plans[::-1] if rank == 1 else plans, spec=spec))
+    res["not_plans"] = _error(lambda: distca.prepare_all([layouts[0]] if rank == 0 else plans[:1]))
+    return res
+
+
+@pytest.mark.slow
+def test_prepare_all_agrees_once_for_many_plans():
+    """``prepare_all``: the plans of, say, a pipeline step agreed in one collective, with the same
+    plans and results as one ``prepare`` each, and bad input in any plan raised on every rank."""
+    res = run_workers(_prepare_all_worker, 2, timeout=120)
+    for r in range(2):
+        assert res[r]["agreements"] == 1, res[r]
+        assert res[r]["call_agreements"] == 0, res[r]  # spec given: agreed with the plans, no call agrees
+        assert res[r]["same"] and res[r]["check"] is None
+        assert res[r]["bad_plan"].startswith("ValueError"), res[r]["bad_plan"]
+        assert "differs across the ranks" in res[r]["differ"], res[r]["differ"]
+        assert res[r]["not_plans"] is not None and "ValueError" in res[r]["not_plans"]
+    assert "plans[1]: plan is for 3 ranks but the CA group has 2" in res[1]["bad_plan"]
+    assert "rank 1 says" in res[0]["bad_plan"] and "plans[1]" in res[0]["bad_plan"]
+    assert "plans[0] must be a distca.Plan, got Layout" in res[0]["not_plans"]
 
 
 _EXIT_SCRIPT = textwrap.dedent(

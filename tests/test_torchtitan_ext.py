@@ -725,3 +725,26 @@ def test_auto_cost_model_prices_bytes_on_gpus():
     assert cost_model_name(CoreAttention(), cuda=True) == GPU_COST_MODEL
     assert cost_model_name(CoreAttention(cost_model="h200"), cuda=True) == "h200"
     assert load_cost_model(GPU_COST_MODEL).has_network  # the GPU default prices bytes
+
+
+def test_a_plan_kept_colocated_is_named_in_the_step_line():
+    """``distca`` keeps a layout home when no move pays for its bytes (small nano-batch or sub-tick
+    layouts under the CPU cost model): the step line says so instead of showing an unexplained
+    imbalance above the tolerance."""
+    from distca import MODEL_SHAPES, load_cost_model
+    from torchtitan_ext.config import CoreAttention
+    from torchtitan_ext.planning import CAPlanner
+    from torchtitan_ext.train import _kept_note
+
+    pl = CAPlanner(
+        cfg=CoreAttention(enable=True), mesh=None, degree=2, rank=0,
+        shape=MODEL_SHAPES["debug"], cost_model=load_cost_model("cpu"),
+    )  # fmt: skip
+    # Step 4 of the pp 2 Tick1F1B ping-pong debug run: one nano-batch's sub-tick layout, 1.244 colocated.
+    kept = pl.plan([torch.tensor([0, 1024, 1562, 1625, 2048])]).stats[0]
+    moved = pl.plan([torch.tensor([0, 2048])]).stats[0]  # one causal document over both ranks
+    assert kept.kept_colocated and kept.fwd_bytes == 0
+    assert kept.imbalance == kept.imbalance_colocated > 1.2
+    assert not moved.kept_colocated and moved.fwd_bytes > 0 and moved.imbalance < 1.05 < moved.imbalance_colocated
+    assert _kept_note([kept, moved]) == "; 1 of 2 plans kept colocated: no move pays for its bytes under the cost model"
+    assert _kept_note([moved]) == ""

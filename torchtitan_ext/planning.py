@@ -63,6 +63,10 @@ class StepStats:
     (:func:`distca.planner.layer_seconds`)."""
     layer_seconds: float = 0.0
     """The same under the chosen policy, its bytes charged on the busiest link."""
+    kept_colocated: bool = False
+    """``distca`` kept every row home although the colocated plan is beyond the tolerance: no plan
+    of its own was modelled faster once its bytes are charged (``distca.planner.move_gain``), as for
+    small nano-batch or sub-tick layouts whose attention is cheap next to moving it."""
 
 
 @dataclass(frozen=True)
@@ -388,6 +392,9 @@ class CAPlanner:
             idle_ranks=_idle_ranks(lay),
             layer_seconds_colocated=layer_seconds(base),
             layer_seconds=layer_seconds(p),
+            kept_colocated=(
+                self.cfg.policy == "distca" and p.traffic.total_bytes == 0 and base.imbalance > 1 + self.cfg.tolerance
+            ),
         )
         return p, meta, stats
 
@@ -402,11 +409,8 @@ class CAPlanner:
         verify, spec = "first_use", None
         if self.spec is not None:  # the heads, head dim and dtype are the model's; the mode is the config's
             verify, spec = "now", dataclasses.replace(self.spec, mode=self.cfg.mode)
-        if planned.error is None:
-            dps = tuple(
-                distca.prepare(p, self.mesh, dispatch=m, spec=spec, verify=verify)
-                for p, m in zip(planned.plans, planned.metas)
-            )
+        if planned.error is None:  # one agreement for all of the item's plans (a pipeline step has dozens)
+            dps = distca.prepare_all(planned.plans, self.mesh, dispatches=planned.metas, spec=spec, verify=verify)
         else:  # prepare again with the error: raised on every rank here, or at the first layer (first step)
             cus, ctxs = planned.inputs
             logger.error("core_attention: planning failed on this rank: %s", planned.error)

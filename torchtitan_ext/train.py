@@ -190,11 +190,11 @@ class CoreAttentionTrainer(Trainer):
     model as ``attention_masks``; CA metrics.
 
     Planning ahead: the CA loader gives each item the next step's layout too, so when item n is
-    drawn, a planning thread starts on item n + 1's plan (pure numpy: the planner and this rank's
-    dispatch metadata). By the time item n + 1 runs its plan is ready; the training thread only
-    binds it (one small agreement per plan, shape included, from the second step on; in the
-    first step the plan's first layer call agrees instead), and ``ca/exposed_plan_ms`` is what
-    it waited plus binding. No layer call runs a collective besides its exchange; the step ends
+    bound, a planning thread starts on item n + 1's plan (pure numpy: the planner and this rank's
+    dispatch metadata) and runs beside item n's forward and backward. By the time item n + 1 runs
+    its plan is ready; the training thread only binds it (one small agreement for all of the item's
+    plans, shape included, from the second step on; in the first step each plan's first layer
+    call agrees instead), and ``ca/exposed_plan_ms`` is what it waited plus binding. No layer call runs a collective besides its exchange; the step ends
     with ``distca.check`` before the optimizer step (:meth:`_check_step`).
 
     With core attention off it only drops the loader's extra keys (``positions``,
@@ -225,6 +225,8 @@ class CoreAttentionTrainer(Trainer):
         self._planning = ThreadPoolExecutor(1, thread_name_prefix="distca-plan") if self.ca is not None else None
         self._ahead: tuple[tuple, Future] | None = None
         """(layout key, planning future) of the next item, planned before it is drawn."""
+        self._ahead_layout: tuple | None = None
+        """The next item's layout, drawn with this one; planned once this one is bound."""
         self._step_plans: list[StepPlan] = []
         """This step's micro-batch plans, dropped (freeing the plans) when the step is logged."""
         self._step_placed: list[tuple[float, float]] = []
@@ -258,8 +260,9 @@ class CoreAttentionTrainer(Trainer):
                     fut = guess[1]
                 else:
                     fut = self._planning.submit(self.ca.plan, *now)
-                if ahead is not None:
-                    self._ahead = (_layout_key(*ahead), self._planning.submit(self.ca.plan, *ahead))
+                # The next item is planned once this one is bound (post_dataloading_process): a
+                # planning thread running now would hold the GIL against the bind and its agreement.
+                self._ahead_layout = ahead
                 # Not a tensor: torchtitan's move to the device leaves it alone.
                 input_dict["ca_planned"] = fut
             yield input_dict, labels
@@ -280,6 +283,9 @@ class CoreAttentionTrainer(Trainer):
         planned = fut.result()
         step = self.ca.bind(planned, waited=time.perf_counter() - t0)
         self._step_plans.append(step)
+        ahead, self._ahead_layout = self._ahead_layout, None
+        if ahead is not None:
+            self._ahead = (_layout_key(*ahead), self._planning.submit(self.ca.plan, *ahead))
         # positions stay in input_dict: llama3's forward(tokens, positions=...) indexes RoPE by them.
         inputs, labels, extra_inputs, extra_kwargs = super().post_dataloading_process(input_dict, labels)
         extra_kwargs["attention_masks"] = step
@@ -353,6 +359,7 @@ class CoreAttentionTrainer(Trainer):
             "ca/plan_ms": 1e3 * sum(s.plan_seconds for s in stats),
             "ca/exposed_plan_ms": 1e3 * sum(sp.exposed_plan_seconds for sp in steps),
             "ca/docs": float(np.mean([s.num_docs for s in stats])),
+            "ca/plans_kept_colocated": float(sum(s.kept_colocated for s in stats)),
         }
         placed, self._step_placed = self._step_placed, []
         if placed:  # modelled colocated max/mean over the step's slots, the loader's order -> placed
@@ -398,7 +405,7 @@ class CoreAttentionTrainer(Trainer):
 
             logger.info(
                 f"ca step {self.step:2}  imbalance {row['ca/imbalance_colocated']:.3f} (colocated) -> "
-                f"{row['ca/imbalance']:.3f} ({self.ca.cfg.policy})  "
+                f"{row['ca/imbalance']:.3f} ({self.ca.cfg.policy}{_kept_note(stats)})  "
                 f"bytes/layer fwd {row['ca/fwd_MiB_per_layer']:.2f} MiB bwd {row['ca/bwd_MiB_per_layer']:.2f} MiB "
                 f"(x{n_layers} layers)  plan {row['ca/plan_ms']:.1f} ms (exposed {row['ca/exposed_plan_ms']:.1f} ms)  "
                 f"{attn}  docs {row['ca/docs']:.0f}"
@@ -499,6 +506,15 @@ def _quiet() -> None:
     # torchtitan's logger is the root logger. Its checkpointer looks for HF weights'
     # index file at start-up even with checkpointing off; the shipped assets are a tokenizer only.
     logging.getLogger().addFilter(_DropMessages(("model.safetensors.index.json not found",)))
+
+
+def _kept_note(stats: list) -> str:
+    """Why a step's distca imbalance stays above the tolerance when it does: the plans it kept
+    colocated because no move was modelled to pay (``StepStats.kept_colocated``)."""
+    kept = sum(s.kept_colocated for s in stats)
+    if not kept:
+        return ""
+    return f"; {kept} of {len(stats)} plans kept colocated: no move pays for its bytes under the cost model"
 
 
 def run() -> None:
