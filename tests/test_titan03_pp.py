@@ -37,6 +37,7 @@ _VALIDATION = (
 )  # fmt: skip
 """torchtitan's validator at steps 1, 3 and 6, 2 batches each (the registry's seed: 43)."""
 _VAL, _LOSS = "validation_metrics/loss", "loss_metrics/global_avg_loss"
+_PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Tick1F1B")
 
 
 def _launch(nproc: int, folder, *args: str, ranks: str = "0"):
@@ -120,10 +121,10 @@ def _from_seed(nproc: int, folder, seed, *args: str, ranks: str = "0"):
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory, seed_ckpt):
     """pp 2 on 2 processes, Tick1F1B, one CA group across both stages, 4 micro-batches of 256 tokens
-    per step; validation of 2 batches of 4 micro-batches (forward sub-ticks); both ranks' logs."""
-    return _from_seed(2, tmp_path_factory.mktemp("pp2"), seed_ckpt, "--parallelism.pipeline_parallel_degree", "2",
-                      "--parallelism.pipeline_parallel_schedule", "Tick1F1B", "--training.local_batch_size", "4",
-                      *_VALIDATION, ranks="0,1")  # fmt: skip
+    per step; validation of 2 batches of 4 micro-batches (forward sub-ticks); a full checkpoint at
+    step 3; both ranks' logs."""
+    return _from_seed(2, tmp_path_factory.mktemp("pp2"), seed_ckpt, *_PP2, "--training.local_batch_size", "4",
+                      *_VALIDATION, "--checkpoint.interval", "3", ranks="0,1")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +156,32 @@ def test_pp2_tick1f1b_equals_gradient_accumulation_without_pp(pp2, accum4):
 
 
 @pytest.mark.slow
+def test_per_stage_groups_with_torchs_1f1b_equal_gradient_accumulation(tmp_path, seed_ckpt, accum4):
+    """The other pipeline path: torch's own 1F1B schedule, a CA group per stage (of 1 here,
+    ``--core_attention.no-across_stages``), driven by our step as well (torch 2.13's 1F1B cannot
+    take torchtitan 0.3's ``step(arg_mbs=...)`` either): each micro-batch with its own plan and
+    positions, the same losses as without PP."""
+    run = _from_seed(2, tmp_path, seed_ckpt, "--parallelism.pipeline_parallel_degree", "2",
+                     "--parallelism.pipeline_parallel_schedule", "1F1B", "--core_attention.no-across_stages",
+                     "--training.local_batch_size", "4")  # fmt: skip
+    assert "CA group of 1 ranks within each of the 2 stages" in run[0], run[0][-4000:]
+    assert _series(run, _LOSS) == pytest.approx(_series(accum4, _LOSS), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_pp2_resume_from_a_checkpoint_gives_the_uninterrupted_losses(pp2, tmp_path):
+    """Resumed from ``pp2``'s step-3 checkpoint (each stage's model part and optimizer, the CA
+    loader's position over the step's micro-batches), steps 4-6 log ``pp2``'s losses."""
+    ckpt = pp2[2] / "checkpoint/step-3"
+    log, tb, _ = _launch(2, tmp_path, "--training.seq_len", "256", *_PP2, "--training.local_batch_size", "4",
+                         "--checkpoint.enable", "--checkpoint.initial_load_path", str(ckpt),
+                         "--checkpoint.no-initial_load_model_only", "--checkpoint.interval", "100000")  # fmt: skip
+    resumed, want = tb[_LOSS], pp2[1][_LOSS]
+    assert sorted(resumed) == [4, 5, 6], (sorted(resumed), log[-3000:])
+    assert [resumed[s] for s in (4, 5, 6)] == pytest.approx([want[s] for s in (4, 5, 6)], rel=1e-6)
+
+
+@pytest.mark.slow
 def test_pp2_validation_runs_forward_sub_ticks_with_the_losses_without_pp(pp2, accum4):
     """torchtitan 0.3's validator under PP (whose ``schedule.eval(arg_mbs=...)`` torch 2.13 lacks):
     each batch's 4 micro-batches run as Tick1F1B's forward sub-ticks with their own plans, idle
@@ -180,9 +207,6 @@ def _parse_error(capsys, monkeypatch, *args: str) -> str:
         ConfigManager().parse_args([*REGISTRY, *args])
     assert e.value.code == 2
     return " ".join(capsys.readouterr().err.replace("│", " ").split())
-
-
-_PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Tick1F1B")
 
 
 @pytest.mark.parametrize(
