@@ -96,6 +96,9 @@ def test_validation_losses_equal_with_cad_and_colocated(full, colocated):
     assert sorted(got) == sorted(want) == [1, 3, 6], (got, want)
     assert [got[s] for s in (1, 3, 6)] == pytest.approx([want[s] for s in (1, 3, 6)], rel=1e-5)
     assert all(0 < v < 20 for v in got.values()) and got[6] < got[1], got
+    # Held-out windows of the training source (another seed): close to the training loss.
+    train = full[1][_LOSS]
+    assert all(abs(got[s] - train[s]) < 0.05 * train[s] for s in (1, 3, 6)), (got, train)
     assert any(full[1]["ca/imbalance"][s] < full[1]["ca/imbalance_colocated"][s] - 1e-3 for s in range(1, _STEPS + 1))
     assert [int(s) for s in re.findall(r"validate step:\s+(\d+)", full[0])] == [1, 3, 6], full[0][-3000:]
 
