@@ -60,7 +60,7 @@ $(STAMP03): pyproject.toml constraints/cpu.txt
 
 # The 0.3 lane's tests only (tests/test_titan03*.py; the 0.2.2 venv skips them).
 test-titan03: $(STAMP03)
-	OMP_NUM_THREADS=1 $(PY03) -m pytest -q --durations=10 tests/test_titan03_config.py tests/test_titan03_train.py
+	OMP_NUM_THREADS=1 $(PY03) -m pytest -q --durations=10 tests/test_titan03_config.py tests/test_titan03_train.py tests/test_titan03_pp.py
 
 clean:
 	rm -rf $(VENV) $(VENV03) build *.egg-info

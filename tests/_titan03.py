@@ -25,11 +25,12 @@ LANE = pytest.mark.skipif(
 REGISTRY = ("--module", "torchtitan_ext.titan03", "--config", "llama3_debugmodel_ca")
 
 
-def torchrun(nproc: int, folder: Path, *args: str, timeout: float = 300) -> tuple[int, str, float]:
+def torchrun(nproc: int, folder: Path, *args: str, timeout: float = 300, ranks: str = "0") -> tuple[int, str, float]:
     """``torchrun --standalone`` of the 0.3 launcher on ``nproc`` processes (one thread each) with
-    the debug registry config and ``args``; returns (exit code, rank 0's log, wall seconds)."""
+    the debug registry config and ``args``; returns (exit code, the log of ``ranks`` (torchrun's
+    ``--local-ranks-filter``: rank 0 by default), wall seconds)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "--local-ranks-filter", "0", "-m", "torchtitan_ext.titan03.train", *REGISTRY,
+           "--local-ranks-filter", ranks, "-m", "torchtitan_ext.titan03.train", *REGISTRY,
            "--dump_folder", str(folder), *args]  # fmt: skip
     t0 = time.monotonic()
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,

@@ -17,7 +17,7 @@ TORCHTITAN_0_2_2 = ("_compat", "converter", "layers", "validate", "train")
 """Modules written against torchtitan 0.2.2's internals (its trainer, validator, llama3 model)."""
 
 TORCHTITAN_0_3 = tuple(
-    f"titan03{'.' + m if m else ''}" for m in ("", "_compat", "model", "data", "trainer", "config_registry", "train")
+    f"titan03{'.' + m if m else ''}" for m in ("", "_compat", "model", "data", "pipeline", "validate", "trainer", "config_registry", "train")
 )
 """The torchtitan 0.3.0 adapter (``torchtitan_ext.titan03``): it may import the version-free modules only."""
 

@@ -15,6 +15,9 @@ CPU). They import the version-free modules of the parent package and never its 0
 - ``_compat``: the CPU start-up patches for torchtitan 0.3.0 (no CUDA, no triton);
 - ``model``: the core-attention module, the RoPE that covers CA positions, the model conversion;
 - ``data``: the CA data loader as a torchtitan 0.3 ``Configurable`` dataloader;
+- ``pipeline``: the pipelining function (tick schedules through torchtitan's ``pipeline_llm``) and
+  the step's micro-batches as torchtitan 0.3 draws them;
+- ``validate``: ``CAValidator``, torchtitan's validator on the CA loader, every batch planned;
 - ``trainer``: ``CoreAttentionTrainer`` and its ``Config`` (the ``core_attention`` section);
 - ``config_registry``: the ``--config`` functions (``llama3_debugmodel_ca``);
 - ``train``: the CPU launcher (patches, then ``torchtitan.train.main()``).

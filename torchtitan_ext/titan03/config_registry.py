@@ -28,6 +28,7 @@ from torchtitan_ext.config import CoreAttention  # noqa: E402
 from torchtitan_ext.data import TOKENIZER_PATH  # noqa: E402
 from torchtitan_ext.titan03.data import CADataLoader  # noqa: E402
 from torchtitan_ext.titan03.trainer import CoreAttentionTrainer  # noqa: E402
+from torchtitan_ext.titan03.validate import CAValidator  # noqa: E402
 
 __all__ = ["llama3_debugmodel_ca"]
 
@@ -56,6 +57,8 @@ def llama3_debugmodel_ca() -> CoreAttentionTrainer.Config:
             disable_cuda_graphs=True,
         ),  # fmt: skip
         dataloader=CADataLoader.Config(dataset="stdlib_defs", seed=42),
+        # Off until --validator.enable; the training source with another seed (as 0.2.2's debug.seed + 1).
+        validator=CAValidator.Config(dataloader=CADataLoader.Config(dataset="stdlib_defs", seed=43)),
         metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True),
         # partial_dtensor: with torch 2.13, torchtitan 0.3's default "spmd_types" backend stops in
         # fully_shard ("all parameters must be DTensors on the full SPMD mesh") for the stock model

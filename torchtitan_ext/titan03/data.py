@@ -49,6 +49,10 @@ class CADataLoader(ParallelAwareDataloader):
         nano_batches: Annotated[int, tyro.conf.Suppress] = 1
         """Nano-batches per row (set by the trainer from ``core_attention``)."""
 
+        microbatches: Annotated[int, tyro.conf.Suppress] = 1
+        """Pipeline micro-batches per item (set by the trainer: ``training.local_batch_size`` under
+        pipeline parallelism with CAD; the trainer hands them to torchtitan's loop one by one)."""
+
         placement: Annotated[str, tyro.conf.Suppress] = "none"
         """Document placement (``core_attention.placement`` when CAD is on, else "none")."""
 
@@ -85,13 +89,13 @@ class CADataLoader(ParallelAwareDataloader):
         )  # fmt: skip
         dataset = data.CAPackedDataset(
             stream, group=group, ca_rank=dp_rank % degree, ca_degree=degree, seq_len=seq_len, seed=config.seed,
-            nano_batches=config.nano_batches, placement=config.placement, cost_model=config.cost_model,
-            shape=config.shape,
+            nano_batches=config.nano_batches, microbatches=config.microbatches, placement=config.placement,
+            cost_model=config.cost_model, shape=config.shape,
         )  # fmt: skip
         logger.info(
-            "CA loader: dataset=%s group=%d/%d ca_rank=%d/%d seq_len=%d nano_batches=%d seed=%d placement=%s",
-            config.dataset, group, num_groups, dp_rank % degree, degree, seq_len, config.nano_batches, config.seed,
-            config.placement,
+            "CA loader: dataset=%s group=%d/%d ca_rank=%d/%d seq_len=%d nano_batches=%d microbatches=%d seed=%d "
+            "placement=%s", config.dataset, group, num_groups, dp_rank % degree, degree, seq_len, config.nano_batches,
+            config.microbatches, config.seed, config.placement,
         )  # fmt: skip
         # batch_size=None: items are already [1, L], and cu_seqlens changes length every step.
         super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=None, num_workers=0)

@@ -107,6 +107,8 @@ class CoreAttentionModule(Module):
                 f"core attention needs one row per rank (training.local_batch_size = 1), got batch {q_BLNH.shape[0]}: "
                 "each rank's L tokens are its slice of the CA group's token stream"
             )
+        if not step.plans:  # StepPlan.shapes_only(): torch pipelining's shape inference, no communication
+            return q_BLNH * 0.0
         q_TNH, k_TNH, v_TNH = q_BLNH[0], k_BLNH[0], v_BLNH[0]
         # Clock marks (eager only: torch.compile would skip these Python side effects) around the op,
         # forward and backward; the trainer sums them per step (StepPlan.attention_seconds).

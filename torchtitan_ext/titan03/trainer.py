@@ -15,12 +15,19 @@ With ``core_attention.enable`` the trainer, before torchtitan builds anything,
    plan and passes it to the model as ``attention_masks``; before the optimizer step, agrees over
    the CA group that no call was rejected (``distca.check``); logs a ``ca step`` line.
 
+Under pipeline parallelism the model spec's ``pipelining_fn`` is ours
+(:mod:`torchtitan_ext.titan03.pipeline`) and :meth:`CoreAttentionTrainer.pp_forward_backward_step`
+runs the step's micro-batches through the tick schedules, never ``schedule.step()``. With
+``--validator.enable`` the validator (:mod:`torchtitan_ext.titan03.validate`) plans with the
+trainer's planner.
+
 With it off the model is torchtitan's own and the trainer only drops the loader's layout keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,12 +41,14 @@ from torchtitan.trainer import Trainer
 
 import distca
 from distca.cost import ModelShape, load_cost_model
-from torchtitan_ext import data, report
+from torchtitan_ext import data, pipeline, report
 from torchtitan_ext.ca_mesh import build_ca_mesh
 from torchtitan_ext.config import CoreAttention, cost_model_name, nano_batches, validate
 from torchtitan_ext.planning import CAPlanner, StepPlan
 from torchtitan_ext.titan03 import model as ca_model
+from torchtitan_ext.titan03.pipeline import MICROBATCH_KEY, ca_pipelining_fn, split_microbatches
 from torchtitan_ext.titan03.data import CADataLoader
+from torchtitan_ext.titan03.validate import CAValidator
 
 __all__ = ["CoreAttentionTrainer"]
 
@@ -77,9 +86,12 @@ def _check(config: "CoreAttentionTrainer.Config", dp_size: int | None) -> int:
         return 1
     n_nano = nano_batches(cfg)
     # (what the command line set, whether it is unsupported here, what to set instead)
+    pp = p.pipeline_parallel_degree
     unsupported = (
-        (f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}", p.pipeline_parallel_degree > 1,
-         "--parallelism.pipeline_parallel_degree 1"),
+        # Pipeline parallelism (titan03/pipeline.py) runs one nano-batch per micro-batch.
+        (f"--parallelism.pipeline_parallel_degree={pp} with --core_attention.nano_batches={n_nano} (resolved from "
+         f"--core_attention.pingpong={str(cfg.pingpong).lower()})", pp > 1 and n_nano > 1,
+         "--core_attention.nano_batches 1 and --core_attention.no-pingpong, or --parallelism.pipeline_parallel_degree 1"),
         (f"--parallelism.tensor_parallel_degree={p.tensor_parallel_degree}", p.tensor_parallel_degree > 1,
          "--parallelism.tensor_parallel_degree 1"),
         (f"--core_attention.nano_batches={n_nano} (resolved)", n_nano > 1,
@@ -87,7 +99,6 @@ def _check(config: "CoreAttentionTrainer.Config", dp_size: int | None) -> int:
         (f"activation-checkpoint:{ac_mode}", ac_mode not in ("none", "selective"),
          "activation-checkpoint:selective or activation-checkpoint:none"),
         ("--compile.enable", config.compile.enable, "--compile.no-enable"),
-        ("--validator.enable", config.validator.enable, "--validator.no-enable"),
     )  # fmt: skip
     for given, bad, instead in unsupported:
         if bad:
@@ -108,6 +119,14 @@ def _check(config: "CoreAttentionTrainer.Config", dp_size: int | None) -> int:
             "core_attention.enable=true needs --training.disable_cuda_graphs: every step has a new CA plan "
             "(shapes and all-to-all splits), which a captured CUDA graph would replay stale"
         )
+    if pp > 1 and p.pipeline_parallel_microbatch_size != 1:
+        raise ValueError(
+            f"--parallelism.pipeline_parallel_microbatch_size={p.pipeline_parallel_microbatch_size} must be 1 with "
+            "core_attention.enable=true: a micro-batch is one row of seq_len tokens of its CA group's window "
+            "(set the micro-batches per step with --training.local_batch_size)"
+        )
+    if config.validator.enable:
+        _check_validator(config.validator)
     if not isinstance(config.dataloader, CADataLoader.Config):
         raise ValueError(
             f"core_attention.enable=true needs the CA data loader (document boundaries of the CA group's "
@@ -115,6 +134,25 @@ def _check(config: "CoreAttentionTrainer.Config", dp_size: int | None) -> int:
             "torchtitan_ext.titan03.config_registry"
         )
     return degree
+
+
+def _check_validator(validator) -> None:
+    """With CAD on, validation plans its batches like training's: it needs the CA validator and loader."""
+    if not isinstance(validator, CAValidator.Config) or not isinstance(validator.dataloader, CADataLoader.Config):
+        raise ValueError(
+            f"core_attention.enable=true with --validator.enable needs the CA validator and data loader (document "
+            f"boundaries of the CA group's window in every batch), got {type(validator).__qualname__} with "
+            f"dataloader {type(validator.dataloader).__qualname__}: use a config of torchtitan_ext.titan03.config_registry"
+        )
+
+
+def _pipeline_dims(config: "CoreAttentionTrainer.Config", parallel_dims) -> tuple[int, int, int]:
+    """(micro-batches per step, stages a CA group spans, this rank's stage) under pipeline
+    parallelism; (1, 1, 0) without."""
+    if not parallel_dims.pp_enabled:
+        return 1, 1, 0
+    stages = parallel_dims.pp if config.core_attention.across_stages else 1
+    return config.training.local_batch_size, stages, parallel_dims.get_mesh("pp").get_local_rank()
 
 
 def _layout_key(cus: list[torch.Tensor], contexts: list) -> tuple:
@@ -155,7 +193,15 @@ class CoreAttentionTrainer(Trainer):
                 fields = {f.name: getattr(ac, f.name) for f in dataclasses.fields(SelectiveAC.Config)}
                 config.activation_checkpoint = ca_model.CASelectiveAC.Config(**fields)
             logger.info(f"core_attention: {n} attention layers use distca (policy {cfg.policy}, mode {cfg.mode})")
+        if config.parallelism.pipeline_parallel_degree > 1:
+            # Our pipelining (titan03/pipeline.py): the tick schedules, and no schedule.step().
+            across = cfg.enable and cfg.across_stages
+            config.model_spec = dataclasses.replace(
+                config.model_spec, pipelining_fn=functools.partial(ca_pipelining_fn, across_stages=across)
+            )
         super().__init__(config)
+        if isinstance(getattr(self, "validator", None), CAValidator):
+            self.validator.planner = self.ca
 
     # ---- start-up ----------------------------------------------------------------------------
 
@@ -166,9 +212,13 @@ class CoreAttentionTrainer(Trainer):
         dp = parallel_dims.dp_replicate * parallel_dims.dp_shard
         degree = _check(config, dp)
         loader = config.dataloader
+        val_loader = config.validator.dataloader if config.validator.enable else None
+        if not isinstance(val_loader, CADataLoader.Config):
+            val_loader = None
         if not cfg.enable:
-            if isinstance(loader, CADataLoader.Config):
-                loader.ca_degree = 1
+            for lc in (loader, val_loader):
+                if isinstance(lc, CADataLoader.Config):
+                    lc.ca_degree = 1
             return parallel_dims
         model_config = config.model_spec.model
         attn = model_config.layers[0].attention
@@ -178,21 +228,45 @@ class CoreAttentionTrainer(Trainer):
         bf16 = parallel_dims.fsdp_enabled and config.training.mixed_precision_param == "bfloat16"
         shape = ModelShape(n_heads, n_kv, head_dim, 2 if bf16 else 4)
         cost = cost_model_name(cfg, torch.cuda.is_available())
-        mesh = build_ca_mesh(parallel_dims, degree)
+        microbatches, stages, stage = _pipeline_dims(config, parallel_dims)
+        mesh = build_ca_mesh(parallel_dims, degree, across_stages=stages > 1)
         self.ca = CAPlanner(
             cfg=cfg, mesh=mesh, degree=degree, rank=mesh.get_local_rank("ca"), nano_batches=1, microbatches=1,
             shape=shape, cost_model=load_cost_model(cost),
         )  # fmt: skip
+        if parallel_dims.pp_enabled:
+            self._init_pipeline_planner(microbatches, stages, stage, parallel_dims.pp)
         self._planning = ThreadPoolExecutor(1, thread_name_prefix="distca-plan")
         # In-document positions reach degree * seq_len - 1 (a document spanning the group).
         ca_model.set_rope_span(model_config, degree)
         loader.ca_degree, loader.nano_batches = degree, 1
         if cfg.placement != "none":
             loader.placement, loader.cost_model, loader.shape = cfg.placement, cost, shape
+        loader.microbatches = microbatches
+        if val_loader is not None:  # the same windows as training's (no placement: nothing to speed up)
+            val_loader.ca_degree, val_loader.nano_batches = loader.ca_degree, loader.nano_batches
+            val_loader.microbatches = microbatches
         logger.info(
             f"core_attention: CA group of {degree} ranks, {n_heads} query / {n_kv} KV heads, cost model {cost}"
         )
         return parallel_dims
+
+    def _init_pipeline_planner(self, microbatches: int, stages: int, stage: int, pp: int) -> None:
+        """The planner under pipeline parallelism: a step is ``microbatches`` micro-batches planned
+        together, per sub-tick of the tick schedule when the CA group spans ``stages`` > 1 stages."""
+        pl, cfg = self.ca, self.config.core_attention
+        pl.microbatches, pl.stages, pl.stage = microbatches, stages, stage
+        pl.schedule = self.config.parallelism.pipeline_parallel_schedule
+        if stages > 1:
+            # Idle stages serve without calls of their own to agree at, so every plan is agreed when
+            # bound, the layers' call shape included: the model's.
+            sh = pl.shape
+            dtype = torch.bfloat16 if sh.dtype_bytes == 2 else torch.float32
+            pl.spec = distca.CallSpec(sh.num_heads, sh.num_kv_heads, sh.head_dim, dtype, cfg.mode)
+        logger.info(
+            f"core_attention: pipeline stage {stage}: {microbatches} micro-batches per step, CA group of {pl.size} "
+            f"ranks {'across' if stages > 1 else 'within each of'} the {pp} stages"
+        )
 
     # ---- planning ahead ----------------------------------------------------------------------
 
@@ -215,7 +289,10 @@ class CoreAttentionTrainer(Trainer):
                     self._ahead = (_layout_key(*ahead), self._planning.submit(self.ca.plan, *ahead))
                 # Not a tensor: torchtitan's move to the device leaves it alone.
                 input_dict["ca_planned"] = fut
-            yield input_dict, labels
+            if self.parallel_dims.pp_enabled:  # the step's micro-batches, one item each (titan03/pipeline.py)
+                yield from split_microbatches(input_dict, labels)
+            else:
+                yield input_dict, labels
 
     def post_dataloading_process(self, input_dict, labels):
         fut = input_dict.pop("ca_planned", None)
@@ -241,6 +318,52 @@ class CoreAttentionTrainer(Trainer):
         if self.ca is not None and len(self._step_plans) == self.gradient_accumulation_steps:
             self._check_step()  # the step's last micro-batch: before clipping and the optimizer step
         return loss
+
+    def pp_forward_backward_step(self, *, input_dict_mbs, label_mbs, global_valid_tokens):
+        """One step's micro-batches through our pipeline schedule, never ``schedule.step()`` (whose
+        ``arg_mbs=`` keywords torch 2.13 lacks): :func:`torchtitan_ext.pipeline.run_microbatches`.
+
+        With core attention every micro-batch gets its part of the step's plans (per sub-tick when
+        the CA group spans the stages) and its positions, on every stage; stages without a
+        micro-batch in a sub-tick serve the others' tasks. The micro-batch losses are torchtitan's,
+        ``sum / global_valid_tokens``, so the gradients are those of gradient accumulation without
+        pipelining. Returns the summed loss on the last stage, -1 elsewhere (as torchtitan's)."""
+        M = len(input_dict_mbs)
+        step, arg_mbs, kwarg_mbs, target_mbs = None, [], [], []
+        for i, (input_dict, labels) in enumerate(zip(input_dict_mbs, label_mbs, strict=True)):
+            mb = input_dict.pop(MICROBATCH_KEY, i)
+            if mb != i:
+                raise RuntimeError(f"pipeline micro-batch {i} of the step is the loader's micro-batch {mb}")
+            if i == 0 or self.ca is None:  # binds the step's plans (with CAD), drops the loader's layout keys
+                inputs, labels, kwargs = self.post_dataloading_process(input_dict, labels)
+                step = kwargs.get("attention_masks") if self.ca is not None else None
+            else:
+                inputs, labels, kwargs = Trainer.post_dataloading_process(self, input_dict, labels)
+            if step is not None:
+                kwargs["attention_masks"] = step.part(*self.ca.microbatch_plans(i))
+            arg_mbs.append((inputs,) if self.pp_has_first_stage else ())
+            kwarg_mbs.append(kwargs)
+            target_mbs.append(labels)
+        losses: list | None = [] if self.pp_has_last_stage else None
+        idle = None
+        if step is not None and self.ca.stages > 1:
+            idle = pipeline.idle_server(step, self.ca, pipeline.stage_layers(self.model_parts[0]), self.device)
+        # torch's one-off stage set-up runs a forward and backward per stage, one stage after the
+        # other: core attention then returns zeros without communicating (StepPlan.shapes_only).
+        init = {**kwarg_mbs[0], "attention_masks": StepPlan.shapes_only()} if step is not None else None
+        with self.train_context():
+            pipeline.run_microbatches(
+                self.pp_schedule, arg_mbs, kwarg_mbs, target_mbs if self.pp_has_last_stage else None, losses,
+                {"global_valid_tokens": global_valid_tokens}, idle=idle, init_kwargs=init,
+            )  # fmt: skip
+        held = getattr(self.pp_schedule, "peak_in_flight", None)
+        if held is not None and self.metrics_processor.should_log(self.step):
+            # Tick1F1B holds at most min(M, 2(P - s) - 1) on stage s (torch's stage cache, this step).
+            stage = self.pp_schedule._stage.stage_index
+            logger.info(f"pp step {self.step:2}  stage {stage} held {held} of {M} micro-batches at once")
+        if self.pp_has_last_stage:
+            return torch.sum(torch.stack(losses)).to(self.device)
+        return torch.tensor([-1.0], device=self.device)
 
     def _check_step(self) -> None:
         """One agreement over the CA group (``distca.check``) that raises on every rank if any rank
