@@ -425,7 +425,7 @@ def test_unequal_stages_are_rejected_before_the_model_is_split():
              pipeline_parallel_degree=2, pipeline_parallel_first_stage_less_layers=3,
              pipeline_parallel_last_stage_less_layers=1)  # fmt: skip
     job = NS(parallelism=par, core_attention=CoreAttention(enable=True))
-    with pytest.raises(ValueError, match=r"needs equal transformer layers per pipeline stage, got \[2, 4\] \(model n_layers=6"):
+    with pytest.raises(ValueError, match=r"needs equal transformer layers per pipeline stage, got \[2, 4\] \(model layers=6"):
         pipelining_fn(None, None, job, None, NS(n_layers=6), None, None)
     par.pipeline_parallel_microbatch_size = 2
     with pytest.raises(ValueError, match=r"pipeline_parallel_microbatch_size=2 must be 1 with the CA data loader"):

@@ -50,6 +50,7 @@ from torchtitan_ext.planning import CAPlanner, StepPlan, interleaves
 from torchtitan_ext.ticks import SubTick, microbatch_ticks, stage_ticks, tick_assignments
 
 __all__ = [
+    "uneven_stages_error",
     "TickSchedule", "Tick1F1B", "TickGPipe", "SubTick", "idle_server", "microbatch_ticks", "run_ca_step",
     "run_microbatches", "scaled_loss", "stage_layers", "stage_ticks", "tick_assignments",
 ]
@@ -217,3 +218,18 @@ def stage_layers(model_part: torch.nn.Module) -> int:
     layers = getattr(model_part, "layers", None)
     return len(layers) if layers is not None else 0
 
+
+def uneven_stages_error(fqns: list[list[str]], n_layers: int, first_less: int, last_less: int, flag: str) -> str | None:
+    """Why a CA group cannot span stages holding unequal numbers of transformer layers (each
+    sub-tick pairs the k-th core attention call of every stage), or None. ``fqns``: every stage's
+    module names; ``flag``: how the user spells the parallelism keys (``"parallelism."`` in TOML,
+    ``"--parallelism."`` on torchtitan 0.3's command line)."""
+    per_stage = [sum(1 for f in stage if f.startswith("layers.")) for stage in fqns]
+    if len(set(per_stage)) == 1:
+        return None
+    return (
+        f"core_attention.across_stages=true needs equal transformer layers per pipeline stage, got {per_stage} "
+        f"(model layers={n_layers}, {flag}pipeline_parallel_first_stage_less_layers={first_less}, "
+        f"{flag}pipeline_parallel_last_stage_less_layers={last_less}); set those two to 0, choose a layer count "
+        f"divisible by {flag}pipeline_parallel_degree, or set {flag}module_fqns_per_model_part"
+    )

@@ -128,15 +128,12 @@ def pipelining_fn(model, parallel_dims, job_config, device, model_args, parallel
         par.pipeline_parallel_degree, model_args.n_layers,
         par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers,
     )  # fmt: skip
-    per_stage = [sum(1 for f in stage if f.startswith("layers.")) for stage in fqns]
-    if across and len(set(per_stage)) != 1:
-        raise ValueError(
-            f"core_attention.across_stages=true needs equal transformer layers per pipeline stage, got {per_stage} "
-            f"(model n_layers={model_args.n_layers}, pipeline_parallel_first_stage_less_layers="
-            f"{par.pipeline_parallel_first_stage_less_layers}, pipeline_parallel_last_stage_less_layers="
-            f"{par.pipeline_parallel_last_stage_less_layers}); set those two to 0 or choose n_layers divisible by "
-            "pipeline_parallel_degree, or set parallelism.module_fqns_per_model_part"
-        )
+    err = across and pipeline.uneven_stages_error(
+        fqns, model_args.n_layers, par.pipeline_parallel_first_stage_less_layers,
+        par.pipeline_parallel_last_stage_less_layers, "parallelism.",
+    )  # fmt: skip
+    if err:
+        raise ValueError(err)
     tick = name in TICK_SCHEDULES
     if tick:  # torchtitan resolves schedule names through torch; split with GPipe's shape, then replace
         job_config = dataclasses.replace(job_config, parallelism=dataclasses.replace(

@@ -46,15 +46,12 @@ def stage_split(parallelism, n_layers: int, across_stages: bool) -> list[list[st
         p.pipeline_parallel_degree, n_layers, p.pipeline_parallel_first_stage_less_layers,
         p.pipeline_parallel_last_stage_less_layers,
     )  # fmt: skip
-    per_stage = [sum(1 for f in stage if f.startswith("layers.")) for stage in fqns]
-    if across_stages and len(set(per_stage)) != 1:
-        raise ValueError(
-            f"core_attention.across_stages=true needs equal transformer layers per pipeline stage, got {per_stage} "
-            f"(model layers={n_layers}, --parallelism.pipeline_parallel_first_stage_less_layers="
-            f"{p.pipeline_parallel_first_stage_less_layers}, --parallelism.pipeline_parallel_last_stage_less_layers="
-            f"{p.pipeline_parallel_last_stage_less_layers}); set those two to 0, choose a layer count divisible by "
-            "--parallelism.pipeline_parallel_degree, or set --parallelism.module_fqns_per_model_part"
-        )
+    err = across_stages and pipeline.uneven_stages_error(
+        fqns, n_layers, p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers,
+        "--parallelism.",
+    )  # fmt: skip
+    if err:
+        raise ValueError(err)
     return fqns
 
 
