@@ -172,8 +172,8 @@ def _post_attention(block: "CANanoBlock", x: torch.Tensor, o: torch.Tensor) -> t
 
 
 _COMPILED_PIECES: tuple | None = None
-"""(pre, post) under ``torch.compile(fullgraph=True)``, made once: one code object per piece, so
-every block shares its compiled graphs (torch inlines the block's parameters as inputs)."""
+"""(pre, post) under ``torch.compile(fullgraph=True)``, made once for every block (the block is an
+argument; its parameters are graph inputs under torch's inlining of nn.Modules)."""
 
 
 def _pieces(compiled: bool) -> tuple:
