@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test bench clean setup-titan03 test-titan03
+.PHONY: setup train test bench clean setup-titan03 train-titan03 test-titan03
 
 setup: $(STAMP)
 
@@ -58,9 +58,16 @@ $(STAMP03): pyproject.toml constraints/cpu.txt
 	$(PY03) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP03)
 
+# The 0.3 main job: `make train`'s, on torchtitan 0.3.0: the llama3 debug model on 2 CPU
+# processes with CAD on, from the config registry (torchtitan_ext/titan03/config_registry.py).
+train-titan03: $(STAMP03)
+	OMP_NUM_THREADS=1 $(VENV03)/bin/torchrun --standalone --nproc_per_node 2 --local-ranks-filter $(LOG_RANK) \
+		-m torchtitan_ext.titan03.train --module torchtitan_ext.titan03 --config llama3_debugmodel_ca
+
 # The 0.3 lane's tests only (tests/test_titan03*.py; the 0.2.2 venv skips them).
 test-titan03: $(STAMP03)
-	OMP_NUM_THREADS=1 $(PY03) -m pytest -q --durations=10 tests/test_titan03_config.py tests/test_titan03_train.py tests/test_titan03_pp.py
+	OMP_NUM_THREADS=1 $(PY03) -m pytest -q --durations=10 tests/test_titan03_config.py tests/test_titan03_train.py \
+		tests/test_titan03_3d.py tests/test_titan03_pp.py
 
 clean:
 	rm -rf $(VENV) $(VENV03) build *.egg-info

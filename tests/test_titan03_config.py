@@ -98,13 +98,15 @@ def _parse_error(capsys, monkeypatch, *args: str) -> str:
         (["--training.no-disable_cuda_graphs"], r"core_attention\.enable=true needs --training\.disable_cuda_graphs"),
         (["--parallelism.pipeline_parallel_degree", "2"],  # the 0.2.2 rule first, as in the 0.2.2 adapter
          r"core_attention\.across_stages=true \(one CA group over the 2 pipeline stages\) needs"),
-        (["--parallelism.tensor_parallel_degree", "2"],
-         r"--parallelism\.tensor_parallel_degree=2 is not supported by the torchtitan 0\.3 adapter yet"),
+        (["--parallelism.tensor_parallel_degree", "2", "--core_attention.pingpong"],  # the 0.2.2 rule
+         r"core_attention\.nano_batches=-1 \(pingpong=true, resolved to 2 nano-batches\) cannot be combined with "
+         r"parallelism\.tensor_parallel_degree=2"),
         (["--core_attention.mode", "keep", "--core_attention.no-across_stages", "activation-checkpoint:selective"],
          r'core_attention\.mode="keep" cannot be combined with activation_checkpoint=selective'),
         (["activation-checkpoint:full"],
          r"activation-checkpoint:full is not supported by the torchtitan 0\.3 adapter yet .*; use activation-checkpoint:selective"),
-        (["--core_attention.pingpong"], r"--core_attention\.nano_batches=2 \(resolved\) is not supported by the torchtitan 0\.3"),
+        (["--core_attention.pingpong", "--training.seq_len", "511"],
+         r"core_attention\.nano_batches=2 needs --training\.seq_len divisible by it, got 511"),
     ],
 )  # fmt: skip
 def test_a_bad_value_stops_at_start_up_naming_the_flag(args, match, capsys, monkeypatch):

@@ -10,7 +10,9 @@ break a run of the debug model (each found by running it; docs/guides/torchtitan
 3. ``cpu_memory_monitor``: ``DeviceMemoryMonitor`` calls CUDA-only functions on ``torch.cpu``;
 4. ``gloo_fsdp_sum``: FSDP2 picks ``ReduceOp.PREMUL_SUM`` (not on gloo) for the divide factor 1.0
    that llama3's parallelize sets;
-5. ``cpu_pg_timeouts``: ``set_pg_timeouts`` calls ``barrier(device_ids=[...])``, which gloo rejects.
+5. ``cpu_pg_timeouts``: ``set_pg_timeouts`` calls ``barrier(device_ids=[...])``, which gloo rejects;
+6. ``cpu_no_mfu``: MFU is computed against an A100's peak (``get_peak_flops`` falls back to it after
+   a failed ``lspci``); on CPU it is not reported (``mfu: n/a on CPU``), as in the 0.2.2 adapter.
 
 Each is applied only where needed (no CUDA; the stub only without triton), at most once, and
 :func:`apply` must run before the first ``import torchtitan...`` (patch 2). Nothing in
@@ -29,7 +31,7 @@ import torch
 
 __all__ = ["apply", "PATCHES"]
 
-PATCHES = ("triton_stub", "cpu_device_type", "cpu_memory_monitor", "gloo_fsdp_sum", "cpu_pg_timeouts")
+PATCHES = ("triton_stub", "cpu_device_type", "cpu_memory_monitor", "gloo_fsdp_sum", "cpu_pg_timeouts", "cpu_no_mfu")
 """Names of the patches, in the order they are applied."""
 
 _KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
@@ -49,6 +51,7 @@ def apply() -> frozenset[str]:
         _cpu_memory_monitor()
         _gloo_fsdp_sum()
         _cpu_pg_timeouts()
+        _cpu_no_mfu()
         active |= set(PATCHES[1:])
     return frozenset(active)
 
@@ -162,3 +165,40 @@ def _cpu_pg_timeouts() -> None:
 
     set_pg_timeouts.__wrapped__ = du.set_pg_timeouts
     du.set_pg_timeouts = set_pg_timeouts
+
+
+_NO_MFU = {
+    "Peak FLOPS used for computing MFU: nan": "MFU is not reported on CPU: no peak bounds it (docs/guides/torchtitan.md)",
+    "mfu: nan%": "mfu: n/a on CPU",
+}
+"""torchtitan's own lines (it formats them itself: ``f"mfu: {mfu:.2f}%"``) -> what the console says."""
+
+
+def _cpu_no_mfu() -> None:
+    """No MFU on CPU: ``get_peak_flops("cpu")`` is NaN, and the console says ``mfu: n/a on CPU``.
+
+    torchtitan divides by ``get_peak_flops(device_name)``, which runs ``lspci`` (absent here: a
+    warning) and falls back to an A100's 312 TFLOP/s. A CPU has no peak that bounds the step's
+    matmuls (a measured one gave ``mfu: 104.97%`` in the 0.2.2 adapter: docs/guides/torchtitan.md,
+    "CPU start-up patches"), so none is reported; ``tps`` is the throughput to compare. Other
+    device names go to torchtitan's table."""
+    import logging
+
+    import torchtitan.tools.utils as tu
+
+    if hasattr(tu.get_peak_flops, "__wrapped__"):
+        return
+    original = tu.get_peak_flops
+
+    def get_peak_flops(device_name: str) -> float:
+        return float("nan") if device_name == "cpu" else original(device_name)
+
+    def no_cpu_mfu(record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and "nan" in record.msg:
+            for old, new in _NO_MFU.items():
+                record.msg = record.msg.replace(old, new)
+        return True
+
+    get_peak_flops.__wrapped__ = original
+    tu.get_peak_flops = get_peak_flops
+    logging.getLogger().addFilter(no_cpu_mfu)  # torchtitan's logger is the root logger

@@ -3,8 +3,10 @@ of a model config to them.
 
 torchtitan 0.3 builds a model from a tree of ``Config`` dataclasses, so CAD swaps configs, not
 modules: :func:`convert` replaces every layer's ``attention.inner_attention`` (varlen or flex) by
-:class:`CoreAttentionModule.Config` and its ``attention.rope`` by :class:`CARoPE.Config`. The
-trainer calls it only with ``--core_attention.enable``: with CAD off the model is torchtitan's.
+:class:`CoreAttentionModule.Config` and its ``attention.rope`` by :class:`CARoPE.Config`, and with
+two nano-batches the layer itself by :class:`CANanoBlock.Config` (llama3's block running the
+ping-pong schedule). The trainer calls it only with ``--core_attention.enable``: with CAD off the
+model is torchtitan's.
 
 torchtitan's ``GQAttention.forward`` projects, applies RoPE by ``positions``, and calls
 ``inner_attention(q_BLNH, k_BLNH, v_BLNH, attention_masks=, scale=, enable_gqa=)``; the trainer
@@ -26,14 +28,16 @@ from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 from torchtitan.models.common.rope import ComplexRoPE
+from torchtitan.models.llama3.model import Llama3TransformerBlock
 from torchtitan.protocols.module import Module
 
 import distca
+from distca import pingpong
 from torchtitan_ext.clock import mark
-from torchtitan_ext.config import CoreAttention
-from torchtitan_ext.planning import StepPlan
+from torchtitan_ext.config import CoreAttention, nano_batches
+from torchtitan_ext.planning import StepPlan, interleaves
 
-__all__ = ["CARoPE", "CASelectiveAC", "CoreAttentionModule", "convert"]
+__all__ = ["CANanoBlock", "CARoPE", "CASelectiveAC", "CoreAttentionModule", "convert", "kernel_backend"]
 
 
 class _MarkAfterBackward(torch.autograd.Function):
@@ -152,6 +156,125 @@ class CARoPE(ComplexRoPE):
         super().__init__(dataclasses.replace(config, max_seq_len=config.max_seq_len * config.span))
 
 
+def _pre_attention(block: "CANanoBlock", x: torch.Tensor, positions: torch.Tensor):
+    """llama3's block up to core attention, as ``GQAttention.forward`` runs it: x [1, t, D] ->
+    q [t, Nq, H], k, v [t, Nkv, H] (after RoPE by the in-document ``positions`` [1, t])."""
+    attn = block.attention
+    xq, xk, xv = attn.qkv_linear(block.attention_norm(x))
+    if attn.q_norm is not None:
+        xq, xk = attn.q_norm(xq), attn.k_norm(xk)
+    xq, xk = attn.rope(xq, xk, positions)
+    return xq[0], xk[0], xv[0]
+
+
+def _post_attention(block: "CANanoBlock", x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """llama3's block after core attention: x [1, t, D], o [t, Nq, H] -> [1, t, D]."""
+    h = x + block.attention.wo(o.contiguous().flatten(1).unsqueeze(0))
+    return h + block.feed_forward(block.ffn_norm(h))
+
+
+_COMPILED_PIECES: tuple | None = None
+"""(pre, post) under ``torch.compile(fullgraph=True)``, made once for every block (the block is an
+argument; its parameters are graph inputs under torch's inlining of nn.Modules)."""
+
+
+def _pieces(compiled: bool) -> tuple:
+    global _COMPILED_PIECES
+    if not compiled:
+        return _pre_attention, _post_attention
+    if _COMPILED_PIECES is None:
+        _COMPILED_PIECES = tuple(torch.compile(f, fullgraph=True) for f in (_pre_attention, _post_attention))
+    return _COMPILED_PIECES
+
+
+class CANanoBlock(Llama3TransformerBlock):
+    """llama3's transformer block over two nano-batches (rows ``[0, L/2)`` and ``[L/2, L)``), each
+    with its own core-attention plan; the layer of a model converted with
+    ``core_attention.nano_batches = 2`` (``pingpong = true`` resolves to it).
+
+    With ``pingpong`` every all-to-all of one nano-batch is in flight while the other computes (the
+    paper's tick table, inside one block so FSDP2's per-block unshard/reshard and activation
+    checkpointing stay as torchtitan applies them)::
+
+        comm:     -        dispatch 0   dispatch 1   return 0     return 1
+        compute:  pre 0    pre 1        attn 0       attn 1       post 0     post 1
+
+    Without it, or when no row of either nano-batch leaves its rank, the nano-batches run one
+    after the other: the same ops on the same rows, so the losses are bit-equal
+    (``torchtitan_ext.planning.interleaves``; every rank of the group decides alike). Backward
+    mirrors the forward (``distca.pingpong``). The schedule between the pieces is Python around
+    collectives, so torch.compile never traces the block: with ``compile_pieces`` the pieces
+    before and after core attention compile instead (the trainer then drops the per-block compile).
+    Not with tensor parallelism: the pieces call the attention's submodules directly, past the
+    attention module's input redistribution (rejected at start-up).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Llama3TransformerBlock.Config):
+        compile_pieces: bool = False
+        """Compile the pieces before and after core attention (``--compile.enable`` with "model")."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.compile_pieces = config.compile_pieces
+        if not isinstance(self.attention.inner_attention, CoreAttentionModule):
+            raise ValueError(
+                f"CANanoBlock needs core attention as attention.inner_attention, got "
+                f"{type(self.attention.inner_attention).__qualname__}"
+            )
+
+    @torch._dynamo.disable  # the schedule is Python around collectives; the pieces compile
+    def forward(self, x: torch.Tensor, attention_masks: StepPlan | None, positions: torch.Tensor | None = None):
+        step = attention_masks
+        if positions is None:
+            raise ValueError("nano-batches need in-document positions (the CA data loader yields them)")
+        t = x.shape[1] // 2
+        xs, ps = x.split(t, dim=1), positions.split(t, dim=1)
+        pre, post = _pieces(self.compile_pieces)
+        if isinstance(step, StepPlan) and not step.plans:  # StepPlan.shapes_only(): pipelining's shape inference
+            return torch.cat([post(self, xs[i], pre(self, xs[i], ps[i])[0] * 0.0) for i in (0, 1)], dim=1)
+        if not isinstance(step, StepPlan) or len(step.plans) != 2:
+            raise RuntimeError(
+                f"core_attention.nano_batches=2 needs a StepPlan with two plans as attention_masks, got {step!r}: "
+                "train with torchtitan_ext.titan03's CoreAttentionTrainer"
+            )
+        kw = dict(mode=step.mode, backend=self.attention.inner_attention.backend, softmax_scale=self.attention.scaling)
+
+        def start(i: int, kv_prev=None, after=None):
+            """Pre-attention and dispatch of nano-batch i; returns its flight and its own (k, v)."""
+            q, k, v = pre(self, xs[i], ps[i])
+            kk, vv = k, v
+            dp = step.plans[i]
+            if kv_prev is not None and dp.kv_rows != dp.plan.layout.tokens_per_rank:  # nano-batch 0's keys first
+                kk, vv = torch.cat([kv_prev[0], k]), torch.cat([kv_prev[1], v])
+            back = step.backward_plans[i] if step.backward_plans else None
+            with spmd.no_typecheck():  # rank-local, as CoreAttentionModule's call
+                flight = pingpong.start(q, kk, vv, plan=dp, backward_plan=back, after=after, **kw)
+            return flight, (k, v)
+
+        def finish(flight) -> torch.Tensor:
+            with spmd.no_typecheck():
+                return pingpong.finish(flight)
+
+        # Both nano-batches' phases form one chain (after=f0): the backward runs them in exactly the
+        # reverse order on every rank, the order an idle pipeline stage replays (distca.serve_idle).
+        if interleaves(step.plans, step.pingpong, bool(step.backward_plans)):
+            f0, kv0 = start(0)
+            f1, _ = start(1, kv0, after=f0)
+            pingpong.serve(f0)
+            pingpong.serve(f1)
+            y0 = post(self, xs[0], finish(f0))
+            y1 = post(self, xs[1], finish(f1))
+        else:
+            f0, kv0 = start(0)
+            pingpong.serve(f0)
+            y0 = post(self, xs[0], finish(f0))
+            f1, _ = start(1, kv0, after=f0)
+            pingpong.serve(f1)
+            y1 = post(self, xs[1], finish(f1))
+        return torch.cat([y0, y1], dim=1)
+
+
 class CASelectiveAC(SelectiveAC):
     """torchtitan's op-level selective activation checkpointing that also saves core attention.
 
@@ -174,12 +297,40 @@ class CASelectiveAC(SelectiveAC):
         return SelectiveAC.get_save_ops(self) | ops
 
 
-def convert(model_config, cfg: CoreAttention) -> int:
+_TORCHTITAN_FLASH = {"FA3": "torch_fa3", "FA4": "torch_fa4"}
+"""torchtitan's process-wide flash implementation -> the distca backend that runs the same kernel."""
+
+
+def kernel_backend(backend: str) -> str:
+    """The ``distca.kernels`` backend for ``core_attention.backend``: like with like against CAD off.
+
+    torchtitan 0.3's ``VarlenAttention`` (CAD off) switches the whole process to FlashAttention-3 on
+    Hopper (SM90) and FlashAttention-4 on Blackwell (SM100) (``activate_flash_attention_impl``);
+    with CAD on no ``VarlenAttention`` is built, so nothing would switch it. "auto" therefore picks
+    torch's varlen kernels under the same implementation (``torch_fa3`` / ``torch_fa4``, which
+    activate it) where torchtitan would, and distca's own choice elsewhere (CPU, older GPUs); an
+    explicit backend is kept."""
+    if backend != "auto":
+        return backend
+    from torchtitan.tools.utils import get_cuda_flash_attention_impl
+
+    return _TORCHTITAN_FLASH.get(get_cuda_flash_attention_impl(), "auto")
+
+
+def convert(model_config, cfg: CoreAttention, *, compile_pieces: bool = False) -> int:
     """Swap, in place, every layer's inner attention for :class:`CoreAttentionModule` and its RoPE
-    for :class:`CARoPE` (``span`` 1 until the trainer knows the CA degree); returns the number of
-    layers converted. Raises ValueError on a model CAD cannot convert."""
+    for :class:`CARoPE` (``span`` 1 until the trainer knows the CA degree), and with two
+    nano-batches (``core_attention.nano_batches``/``pingpong``) the layer for
+    :class:`CANanoBlock` (``compile_pieces``: its pieces around core attention compile); returns
+    the number of layers converted. Raises ValueError on a model CAD cannot convert."""
+    nano = nano_batches(cfg) > 1
     n = 0
     for i, layer in enumerate(model_config.layers):
+        if nano and type(layer) not in (Llama3TransformerBlock.Config, CANanoBlock.Config):
+            raise ValueError(
+                f"core_attention.nano_batches=2 runs llama3's transformer block in nano-batches; layer {i} is "
+                f"{type(layer).__qualname__}"
+            )
         attn = getattr(layer, "attention", None)
         if attn is None or not hasattr(attn, "inner_attention"):
             raise ValueError(f"core_attention.enable=true: layer {i} has no attention.inner_attention to replace")
@@ -192,9 +343,12 @@ def convert(model_config, cfg: CoreAttention) -> int:
             raise ValueError(
                 f"core_attention.enable=true supports llama3's complex RoPE; layer {i} has {type(attn.rope).__qualname__}"
             )
-        attn.inner_attention = CoreAttentionModule.Config(backend=cfg.backend)
+        attn.inner_attention = CoreAttentionModule.Config(backend=kernel_backend(cfg.backend))
         rope = {f.name: getattr(attn.rope, f.name) for f in dataclasses.fields(ComplexRoPE.Config)}
         attn.rope = CARoPE.Config(**rope, span=getattr(attn.rope, "span", 1))
+        if nano:
+            fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(Llama3TransformerBlock.Config)}
+            model_config.layers[i] = CANanoBlock.Config(**fields, compile_pieces=compile_pieces)
         n += 1
     return n
 

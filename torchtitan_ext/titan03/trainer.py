@@ -92,13 +92,14 @@ def _check(config: "CoreAttentionTrainer.Config", dp_size: int | None) -> int:
         (f"--parallelism.pipeline_parallel_degree={pp} with --core_attention.nano_batches={n_nano} (resolved from "
          f"--core_attention.pingpong={str(cfg.pingpong).lower()})", pp > 1 and n_nano > 1,
          "--core_attention.nano_batches 1 and --core_attention.no-pingpong, or --parallelism.pipeline_parallel_degree 1"),
-        (f"--parallelism.tensor_parallel_degree={p.tensor_parallel_degree}", p.tensor_parallel_degree > 1,
-         "--parallelism.tensor_parallel_degree 1"),
-        (f"--core_attention.nano_batches={n_nano} (resolved)", n_nano > 1,
-         "--core_attention.nano_batches 1 and --core_attention.no-pingpong"),
+        # The nano-batch block calls the attention's submodules itself, past GQAttention's TP input
+        # redistribution (the 0.2.2 rule, kept here should the 0.2.2 adapter lift it).
+        (f"--parallelism.tensor_parallel_degree={p.tensor_parallel_degree} with --core_attention.nano_batches="
+         f"{n_nano} (resolved from --core_attention.pingpong={str(cfg.pingpong).lower()})",
+         p.tensor_parallel_degree > 1 and n_nano > 1,
+         "--core_attention.nano_batches 1 and --core_attention.no-pingpong, or --parallelism.tensor_parallel_degree 1"),
         (f"activation-checkpoint:{ac_mode}", ac_mode not in ("none", "selective"),
          "activation-checkpoint:selective or activation-checkpoint:none"),
-        ("--compile.enable", config.compile.enable, "--compile.no-enable"),
     )  # fmt: skip
     for given, bad, instead in unsupported:
         if bad:
@@ -113,6 +114,11 @@ def _check(config: "CoreAttentionTrainer.Config", dp_size: int | None) -> int:
             f'core_attention.mode="keep" cannot be combined with activation_checkpoint={ac_mode} (recomputed '
             'forwards would leave server tensors stashed); use --core_attention.mode resend or '
             "activation-checkpoint:none"
+        )
+    if n_nano > 1 and config.training.seq_len % n_nano:
+        raise ValueError(
+            f"core_attention.nano_batches={n_nano} needs --training.seq_len divisible by it, got "
+            f"{config.training.seq_len}"
         )
     if not config.training.disable_cuda_graphs:
         raise ValueError(
@@ -155,6 +161,16 @@ def _pipeline_dims(config: "CoreAttentionTrainer.Config", parallel_dims) -> tupl
     return config.training.local_batch_size, stages, parallel_dims.get_mesh("pp").get_local_rank()
 
 
+def _without_block_compile(parallelize_fn):
+    """``parallelize_fn`` with "model" dropped from the compile components (nano-batch blocks)."""
+
+    def parallelize(model, *, compile_config, **kwargs):
+        components = [c for c in compile_config.components if c != "model"]
+        return parallelize_fn(model, compile_config=dataclasses.replace(compile_config, components=components), **kwargs)
+
+    return parallelize
+
+
 def _layout_key(cus: list[torch.Tensor], contexts: list) -> tuple:
     return tuple(tuple(x.reshape(-1).tolist()) if x is not None else None for x in (*cus, *contexts))
 
@@ -185,14 +201,30 @@ class CoreAttentionTrainer(Trainer):
         """Per-step numbers for the closing summary and plot (:mod:`torchtitan_ext.report`)."""
         self._step_placed: list[tuple[float, float]] = []
         """This step's items' modelled imbalance (before, after) document placement."""
+        self._graphs: list[int] = []
+        """torch._dynamo's compiled-graph count after each step (with ``--compile.enable``)."""
         if cfg.enable:
             # Before torchtitan builds anything: the model it builds is the converted one.
-            n = ca_model.convert(config.model_spec.model, cfg)
+            compiled = config.compile.enable and "model" in config.compile.components
+            n_nano = nano_batches(cfg)
+            n = ca_model.convert(config.model_spec.model, cfg, compile_pieces=compiled)
+            if compiled and n_nano > 1:
+                # The nano-batch block's schedule is not traced (collectives between the pieces);
+                # its pieces compile (CANanoBlock), so torchtitan's per-block compile is dropped.
+                config.model_spec = dataclasses.replace(
+                    config.model_spec, parallelize_fn=_without_block_compile(config.model_spec.parallelize_fn)
+                )
             ac = config.activation_checkpoint
             if type(ac) is SelectiveAC.Config:  # the same settings, core attention saved too
                 fields = {f.name: getattr(ac, f.name) for f in dataclasses.fields(SelectiveAC.Config)}
                 config.activation_checkpoint = ca_model.CASelectiveAC.Config(**fields)
-            logger.info(f"core_attention: {n} attention layers use distca (policy {cfg.policy}, mode {cfg.mode})")
+            tp = config.parallelism.tensor_parallel_degree
+            logger.info(
+                f"core_attention: {n} attention layers use distca (policy {cfg.policy}, mode {cfg.mode}"
+                + (f", TP {tp}" if tp > 1 else "")
+                + (f", {n_nano} nano-batches{', ping-pong' if cfg.pingpong else ''}" if n_nano > 1 else "")
+                + (", compiled" if compiled else "") + ")"
+            )
         if config.parallelism.pipeline_parallel_degree > 1:
             # Our pipelining (titan03/pipeline.py): the tick schedules, and no schedule.step().
             across = cfg.enable and cfg.across_stages
@@ -224,14 +256,18 @@ class CoreAttentionTrainer(Trainer):
         attn = model_config.layers[0].attention
         n_heads, n_kv = attn.n_heads, attn.n_kv_heads or attn.n_heads
         head_dim = attn.head_dim or model_config.dim // n_heads
+        # Tensor parallelism shards the heads (torchtitan checks tp divides both): each TP rank's
+        # core attention runs its n/tp heads, in the CA group of the batch ranks that hold them.
+        tp = parallel_dims.tp
         # Activations are bf16 only under FSDP's bf16 mixed precision.
         bf16 = parallel_dims.fsdp_enabled and config.training.mixed_precision_param == "bfloat16"
-        shape = ModelShape(n_heads, n_kv, head_dim, 2 if bf16 else 4)
+        shape = ModelShape(n_heads // tp, n_kv // tp, head_dim, 2 if bf16 else 4)
         cost = cost_model_name(cfg, torch.cuda.is_available())
+        n_nano = nano_batches(cfg)
         microbatches, stages, stage = _pipeline_dims(config, parallel_dims)
         mesh = build_ca_mesh(parallel_dims, degree, across_stages=stages > 1)
         self.ca = CAPlanner(
-            cfg=cfg, mesh=mesh, degree=degree, rank=mesh.get_local_rank("ca"), nano_batches=1, microbatches=1,
+            cfg=cfg, mesh=mesh, degree=degree, rank=mesh.get_local_rank("ca"), nano_batches=n_nano, microbatches=1,
             shape=shape, cost_model=load_cost_model(cost),
         )  # fmt: skip
         if parallel_dims.pp_enabled:
@@ -239,7 +275,7 @@ class CoreAttentionTrainer(Trainer):
         self._planning = ThreadPoolExecutor(1, thread_name_prefix="distca-plan")
         # In-document positions reach degree * seq_len - 1 (a document spanning the group).
         ca_model.set_rope_span(model_config, degree)
-        loader.ca_degree, loader.nano_batches = degree, 1
+        loader.ca_degree, loader.nano_batches = degree, n_nano
         if cfg.placement != "none":
             loader.placement, loader.cost_model, loader.shape = cfg.placement, cost, shape
         loader.microbatches = microbatches
@@ -247,7 +283,8 @@ class CoreAttentionTrainer(Trainer):
             val_loader.ca_degree, val_loader.nano_batches = loader.ca_degree, loader.nano_batches
             val_loader.microbatches = microbatches
         logger.info(
-            f"core_attention: CA group of {degree} ranks, {n_heads} query / {n_kv} KV heads, cost model {cost}"
+            f"core_attention: CA group of {degree} ranks, {shape.num_heads} query / {shape.num_kv_heads} KV heads "
+            f"per rank{f' (TP {tp})' if tp > 1 else ''}, {n_nano} nano-batch(es), cost model {cost}"
         )
         return parallel_dims
 
@@ -381,6 +418,10 @@ class CoreAttentionTrainer(Trainer):
         t0 = time.perf_counter()
         super().train_step(data_iterator)
         self._step_seconds.append(time.perf_counter() - t0)
+        if self.config.compile.enable:
+            from torch._dynamo.utils import counters
+
+            self._graphs.append(counters["stats"]["unique_graphs"])
         if self.ca is None:
             return
         steps, self._step_plans = self._step_plans, []
@@ -401,6 +442,9 @@ class CoreAttentionTrainer(Trainer):
         if placed:  # modelled colocated max/mean over the step's slots, the loader's order -> placed
             row["ca/placement_imbalance_before"] = float(np.mean([b for b, _ in placed]))
             row["ca/placement_imbalance_after"] = float(np.mean([a for _, a in placed]))
+        if self.ca.nano_batches > 1:
+            # Host time blocked on CA exchanges: what ping-pong did not hide (0 on CUDA, see distca.exchange).
+            row["ca/exposed_comm_s"] = sum(sp.exchange_wait_seconds for sp in steps)
         n_layers = len(self.config.model_spec.model.layers)
         per_step = n_layers * (1.0 + self.ca.cost_model.bwd_factor)  # one layer's forward -> the step's
         self._records.append(
@@ -413,8 +457,15 @@ class CoreAttentionTrainer(Trainer):
                 rank_colocated_s=tuple(per_step * np.sum([s.colocated_loads for s in stats], axis=0)),
                 rank_s=tuple(per_step * np.sum([s.loads for s in stats], axis=0)),
                 attn_s=row["ca/attn_fwd_s"] + row["ca/attn_bwd_s"] if "ca/attn_fwd_s" in row else None,
+                exposed_comm_s=row.get("ca/exposed_comm_s"),
             )  # fmt: skip
         )
+        if "ca/attn_fwd_s" in row:
+            attn = f"attn fwd {row['ca/attn_fwd_s']:.3f} s bwd {row['ca/attn_bwd_s']:.3f} s  "
+        elif "ca/exposed_comm_s" in row:
+            attn = f"exposed comm {row['ca/exposed_comm_s']:.3f} s ({self.ca.nano_batches} nano-batches)  "
+        else:
+            attn = "attn n/a (compiled)  "
         if self.metrics_processor.should_log(self.step):
             self.metrics_processor.logger.log(row, self.step)
             logger.info(
@@ -422,7 +473,7 @@ class CoreAttentionTrainer(Trainer):
                 f"{row['ca/imbalance']:.3f} ({self.ca.cfg.policy})  "
                 f"bytes/layer fwd {row['ca/fwd_MiB_per_layer']:.2f} MiB bwd {row['ca/bwd_MiB_per_layer']:.2f} MiB "
                 f"(x{n_layers} layers)  plan {row['ca/plan_ms']:.1f} ms (exposed {row['ca/exposed_plan_ms']:.1f} ms)  "
-                + (f"attn fwd {row['ca/attn_fwd_s']:.3f} s bwd {row['ca/attn_bwd_s']:.3f} s  " if "ca/attn_fwd_s" in row else "")
+                + attn
                 + f"docs {row['ca/docs']:.0f}"
                 + (
                     f"  placement {row['ca/placement_imbalance_before']:.3f} -> {row['ca/placement_imbalance_after']:.3f}"
@@ -462,6 +513,10 @@ class CoreAttentionTrainer(Trainer):
             folder=folder, baseline=baseline, tokens_per_rank_step=tr.seq_len * tr.local_batch_size, run=run,
             group=self.ca.group if self.ca is not None else None, group_size=self.ca.size if self.ca is not None else 1,
         )  # fmt: skip
+        if self._graphs:
+            # A new plan every step must not recompile: the plan reaches compiled code as a tensor handle.
+            g = self._graphs
+            lines.append(f"  compile     torch.compile: {g[0]} graphs in step 1, {g[-1] - g[0]} more after")
         for line in lines:
             logger.info(line)
 

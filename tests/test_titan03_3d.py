@@ -1,0 +1,332 @@
+"""The 3D feature set on torchtitan 0.3: ping-pong (nano-batches), tensor parallelism and
+``torch.compile`` with CAD, CAD against a one-process reference, the 8B registry configs, no MFU on
+CPU. torchtitan 0.3.0's own Trainer on gloo CPU processes, the llama3 debug model.
+
+Every training run starts from one seed checkpoint (FSDP-sharded, TP-sharded and unsharded
+``init_weights`` draw different numbers) and trains on the same windows: one CA group of 1024
+tokens per step (2 ranks x 512, or one process x 1024 for the reference), fp32, deterministic.
+Tolerances are the 0.2.2 suite's for the same comparisons (tests/test_torchtitan_ext.py,
+tests/test_pingpong.py, tests/test_tensor_parallel.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _titan03 import LANE, REGISTRY, ROOT, scalars
+
+pytestmark = [LANE, pytest.mark.titan03]
+
+_STEPS = 6
+_WINDOW = 1024
+_COMMON = (
+    "--training.steps", str(_STEPS), "--dataloader.dataset", "synthetic_pretrain", "--debug.seed", "42",
+    "--debug.deterministic", "--metrics.enable_tensorboard",
+    # The kernel-only H200 model prices no bytes, so on these short windows distca moves work where
+    # the CPU model (which pays for gloo's bytes) would plan exactly as colocated.
+    "--core_attention.cost_model", "h200",
+)  # fmt: skip
+_REFERENCE = ROOT / "tests" / "titan03_reference_train.py"
+
+
+def _torchrun(nproc: int, folder: Path, *args: str, launcher: Path | None = None, timeout: float = 400):
+    """``torchrun --standalone`` of the 0.3 launcher (or a test launcher script) with the debug
+    registry config; (exit code, rank 0's log). As ``_titan03.torchrun``, plus ``launcher``."""
+    target = [str(launcher)] if launcher is not None else ["-m", "torchtitan_ext.titan03.train"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "--local-ranks-filter", "0", *target, *REGISTRY, "--dump_folder", str(folder), *args]  # fmt: skip
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    return r.returncode, r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def seed_ckpt(tmp_path_factory) -> Path:
+    """One unsharded seed checkpoint (one process, torchtitan's ``--checkpoint.create_seed_checkpoint``)."""
+    folder = tmp_path_factory.mktemp("seed")
+    rc, log = _torchrun(1, folder, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
+    assert rc == 0 and "Created seed checkpoint" in log, log[-6000:]
+    return folder / "checkpoint" / "step-0"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, seed_ckpt):
+    """``run(name, nproc, *flags)``: a training run from the seed checkpoint, made once per module:
+    (rank 0's log, TensorBoard scalars, dump folder)."""
+    done = {}
+
+    def go(name: str, nproc: int, *args: str, batch_ranks: int | None = None, launcher: Path | None = None):
+        """``batch_ranks``: ranks sharing the window (default ``nproc``; with TP fewer)."""
+        if name not in done:
+            folder = tmp_path_factory.mktemp(name)
+            t0 = time.monotonic()
+            rc, log = _torchrun(
+                nproc, folder, "--training.seq_len", str(_WINDOW // (batch_ranks or nproc)), *_COMMON, "--checkpoint.enable",
+                "--checkpoint.initial_load_path", str(seed_ckpt), "--checkpoint.load_only", *args, launcher=launcher,
+            )  # fmt: skip
+            assert rc == 0 and "Training completed" in log, log[-6000:]
+            print(f"{name}: {time.monotonic() - t0:.1f} s")  # the lane's cost, per run (pytest -s)
+            done[name] = (log, scalars(folder), folder)
+        return done[name]
+
+    return go
+
+
+def _series(r, tag: str) -> list[float]:
+    values = r[1][tag]
+    return [values[s] for s in sorted(values)]
+
+
+def _distca(run):
+    return run("distca", 2)
+
+
+# ---- CAD on vs CAD off, and a one-process reference ------------------------------------------
+
+
+@pytest.mark.slow
+def test_cad_and_colocated_match_a_one_process_sdpa_reference(run):
+    """CAD on (``policy distca``: attention moved between the 2 ranks) and CAD "off" on CPU
+    (``colocated``: the same kernel, every rank serving its own rows; torchtitan 0.3's own varlen
+    has no CPU kernel) give bit-identical losses and grad norms, and both equal one process with
+    plain SDPA and an explicit block-causal mask over the whole 1024-token window
+    (tests/titan03_reference_train.py: no distca code) within the 0.2.2 suite's tolerances:
+    losses rel 1e-4, grad norms rel 1e-3. The grad norm is the sharp check: attention across
+    documents moves the reference's grad norms by ~5e-2 (measured on 0.2.2)."""
+    ca, colo = _distca(run), run("colocated", 2, "--core_attention.policy", "colocated")
+    ref = run("reference", 1, "--core_attention.no-enable", launcher=_REFERENCE)
+    assert "ca/docs" not in ref[1] and "use distca" not in ref[0]  # CAD really off in the reference
+    assert min(ca[1]["ca/docs"].values()) > 5  # many documents per window, a new layout each step
+    # distca moved work in some step; colocated never moves any (only K/V of documents that cross ranks).
+    tb, tc = ca[1], colo[1]
+    assert any(tb["ca/imbalance"][s] < tb["ca/imbalance_colocated"][s] - 1e-3 for s in tb["ca/imbalance"])
+    assert all(tc["ca/imbalance"][s] == tc["ca/imbalance_colocated"][s] for s in tc["ca/imbalance"])
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm"):
+        assert len(_series(ca, tag)) == _STEPS and _series(ca, tag) == _series(colo, tag), tag
+    for r in (ca, colo):
+        assert _series(r, "loss_metrics/global_avg_loss") == pytest.approx(_series(ref, "loss_metrics/global_avg_loss"), rel=1e-4)
+        assert _series(r, "grad_norm") == pytest.approx(_series(ref, "grad_norm"), rel=1e-3)
+
+
+# ---- ping-pong / nano-batches (CANanoBlock) ------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_pingpong_is_bit_equal_to_sequential_nano_batches_and_trains_as_whole_rows(run):
+    """``--core_attention.pingpong`` (two nano-batches, one's all-to-alls in flight while the other
+    computes) gives bit-equal losses and grad norms to ``--core_attention.nano_batches 2`` without
+    ping-pong (the same ops on the same rows, another order of the exchanges), and trains as whole
+    rows (``distca``) within rel 1e-5, the 0.2.2 suite's tolerance: nano-batches keep documents
+    whole, so only the per-rank sums' order differs."""
+    seq = run("nano", 2, "--core_attention.nano_batches", "2")
+    pp = run("pingpong", 2, "--core_attention.pingpong")
+    whole = _distca(run)
+    assert "2 nano-batches, ping-pong" in pp[0] and "2 nano-batches)" in seq[0], pp[0][-3000:]
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm"):
+        assert len(_series(pp, tag)) == _STEPS and _series(pp, tag) == _series(seq, tag), tag
+        assert _series(pp, tag) == pytest.approx(_series(whole, tag), rel=1e-5), tag
+    # Rows moved (the interleaved schedule ran, with communication to hide) in some step.
+    assert any(v > 0 for v in pp[1]["ca/fwd_MiB_per_layer"].values())
+    assert sorted(pp[1]["ca/exposed_comm_s"]) == list(range(1, _STEPS + 1))
+    assert pp[0].count(" exposed comm ") == _STEPS
+    assert re.search(r"exchanges   [0-9.]+ s/step blocked in CA exchange waits", pp[0]), pp[0][-3000:]
+
+
+# ---- tensor parallelism -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tensor_parallel_matches_data_parallel(run):
+    """4 processes, ``--parallelism.tensor_parallel_degree 2`` x dp 2, CAD on: each TP rank runs
+    core attention on its 8 of the 16 heads (torchtitan's local_map hands our module the local
+    q/k/v), in the CA group of the batch ranks that hold them ({0, 2} and {1, 3}); the same losses
+    (rel 1e-5) and grad norms (rel 5e-5) as the 2-process run without TP, the same plan, half its
+    bytes. (0.2.2: a CA group wrongly taken as the two TP peers of one batch rank moves the losses
+    by 1e-6..1.4e-4 and the grad norms by 1e-5..7e-4.)"""
+    tp = run("tp", 4, "--parallelism.tensor_parallel_degree", "2", batch_ranks=2)
+    dp = _distca(run)
+    log = tp[0]
+    assert "CA group of 2 ranks, 8 query / 8 KV heads per rank (TP 2)" in log, log[-4000:]
+    assert "Applied FSDP to the model" in log, log[-4000:]
+    assert _series(tp, "loss_metrics/global_avg_loss") == pytest.approx(_series(dp, "loss_metrics/global_avg_loss"), rel=1e-5)
+    assert _series(tp, "grad_norm") == pytest.approx(_series(dp, "grad_norm"), rel=5e-5)
+    for tag in ("ca/imbalance", "ca/docs"):
+        assert tp[1][tag] == pytest.approx(dp[1][tag], rel=1e-6), tag
+    half = {s: v / 2 for s, v in dp[1]["ca/fwd_MiB_per_layer"].items()}
+    assert tp[1]["ca/fwd_MiB_per_layer"] == pytest.approx(half, rel=1e-5)
+
+
+# ---- torch.compile ------------------------------------------------------------------------------
+
+
+def _graphs(log: str) -> tuple[int, int]:
+    m = re.search(r"torch.compile: (\d+) graphs in step 1, (\d+) more after", log)
+    assert m, log[-4000:]
+    return int(m[1]), int(m[2])
+
+
+@pytest.mark.slow
+def test_compile_matches_eager_without_recompiles(run):
+    """``--compile.enable``: torchtitan compiles every block (``fullgraph=True``) with core
+    attention inside; a new plan and document layout every step reach the compiled blocks as a
+    tensor handle, so nothing recompiles after step 1; the losses are eager's (rel 1e-4, 0.2.2's)."""
+    comp, eager = run("compiled", 2, "--compile.enable"), _distca(run)
+    first, more = _graphs(comp[0])
+    assert first >= 1 and more == 0, comp[0][-4000:]
+    assert "Compiling each TransformerBlock with torch.compile" in comp[0]
+    assert _series(comp, "loss_metrics/global_avg_loss") == pytest.approx(_series(eager, "loss_metrics/global_avg_loss"), rel=1e-4)
+    assert comp[0].count("attn n/a (compiled)") == _STEPS
+
+
+@pytest.mark.slow
+def test_pingpong_compiles_its_pieces_without_recompiles(run):
+    """Ping-pong with ``--compile.enable``: the schedule stays eager (collectives between the
+    pieces), the pieces before and after core attention compile, torchtitan's per-block compile is
+    dropped; no recompile after step 1 and the eager ping-pong losses (rel 1e-4)."""
+    comp, eager = run("pingpong_compiled", 2, "--core_attention.pingpong", "--compile.enable"), run(
+        "pingpong", 2, "--core_attention.pingpong"
+    )
+    first, more = _graphs(comp[0])
+    assert first >= 2 and more == 0, comp[0][-4000:]  # at least pre and post
+    assert "Compiling each TransformerBlock" not in comp[0] and "ping-pong, compiled" in comp[0]
+    assert _series(comp, "loss_metrics/global_avg_loss") == pytest.approx(_series(eager, "loss_metrics/global_avg_loss"), rel=1e-4)
+
+
+# ---- console ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_no_mfu_on_cpu(run):
+    """torchtitan computes MFU against an A100's peak; on CPU the console says ``mfu: n/a on CPU``
+    on every step line and never prints a percentage (the 0.2.2 adapter's behaviour)."""
+    log = _distca(run)[0]
+    assert log.count("mfu: n/a on CPU") == _STEPS and not re.search(r"mfu: [0-9.na]+%", log), log[-3000:]
+    assert "MFU is not reported on CPU" in log and "Error running lspci" not in log
+
+
+# ---- in-process: configs and start-up errors ------------------------------------------------
+
+
+@pytest.fixture
+def _cpu_patches():
+    from torchtitan_ext.titan03 import _compat
+
+    _compat.apply()
+
+
+def _parse(*args: str, config: str = "llama3_debugmodel_ca"):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--module", "torchtitan_ext.titan03", "--config", config, *args])
+
+
+def test_cpu_peak_flops_is_nan_and_the_console_says_so(_cpu_patches, caplog):
+    import logging
+
+    import torchtitan.tools.utils as tu
+
+    assert math.isnan(tu.get_peak_flops("cpu")) and tu.get_peak_flops("NVIDIA H200") == 989e12
+    with caplog.at_level(logging.INFO):
+        logging.getLogger().info(f"step:  1  loss:  7.00000  mfu: {float('nan'):.2f}%")
+    assert caplog.records[-1].getMessage() == "step:  1  loss:  7.00000  mfu: n/a on CPU"
+
+
+def test_8b_registry_config_parses_as_the_toml(_cpu_patches):
+    """``--config llama3_8b_ca``: train_configs/llama3_8b_ca.toml's settings (one CA group of 8 per
+    node, 32K tokens per rank, ping-pong, op-level SAC, compile), parsed only."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    from torchtitan_ext.config import CoreAttention
+    from torchtitan_ext.titan03.trainer import CoreAttentionTrainer
+
+    cfg = _parse("--training.steps", "3", config="llama3_8b_ca")
+    assert type(cfg) is CoreAttentionTrainer.Config and cfg.training.steps == 3
+    assert cfg.core_attention == CoreAttention(
+        enable=True, degree=8, policy="distca", tolerance=0.05, mode="resend", min_shard=512, cost_model="h200",
+        pingpong=True,
+    )  # fmt: skip
+    model = cfg.model_spec.model
+    assert len(model.layers) == 32 and model.dim == 4096 and model.layers[0].attention.n_kv_heads == 8
+    assert (cfg.training.seq_len, cfg.training.local_batch_size, cfg.training.mixed_precision_param) == (32768, 1, "bfloat16")
+    assert cfg.compile.enable and cfg.compile.components == ["model", "loss"]
+    assert type(cfg.activation_checkpoint) is SelectiveAC.Config and cfg.training.disable_cuda_graphs
+    assert cfg.dataloader.dataset == "synthetic_prolong" and cfg.parallelism.tensor_parallel_degree == 1
+
+
+def test_8b_4d_registry_config_parses_as_the_toml(_cpu_patches):
+    """``--config llama3_8b_ca_4d``: train_configs/llama3_8b_ca_4d.toml's 4D settings (TP 8, 4
+    Tick1F1B stages of 8 layers, one CA group across the stages), parsed only."""
+    cfg = _parse(config="llama3_8b_ca_4d")
+    p, ca = cfg.parallelism, cfg.core_attention
+    assert (p.tensor_parallel_degree, p.pipeline_parallel_degree, p.pipeline_parallel_schedule) == (8, 4, "Tick1F1B")
+    assert (p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers) == (0, 0)
+    assert ca.enable and ca.across_stages and ca.degree == -1 and not ca.pingpong
+    assert (cfg.training.seq_len, cfg.training.local_batch_size) == (65536, 8) and len(cfg.model_spec.model.layers) == 32
+
+
+def test_tensor_parallel_with_pingpong_stops_at_start_up_naming_the_flags(_cpu_patches, capsys, monkeypatch):
+    """TP + nano-batches is refused (the block runs the attention's submodules past TP's input
+    redistribution): on every rank, at parse time, naming both flags."""
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit):
+        _parse("--parallelism.tensor_parallel_degree", "2", "--core_attention.pingpong")
+    err = " ".join(capsys.readouterr().err.replace("│", " ").split())
+    assert "pingpong=true" in err and "parallelism.tensor_parallel_degree=2" in err, err
+
+
+def test_nano_batch_conversion_swaps_each_block(_cpu_patches):
+    """With two nano-batches every llama3 block config becomes ``CANanoBlock.Config`` with the same
+    attention, norms and FFN; the model builds and passes torchtitan's Module protocol check."""
+    import dataclasses
+
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.model import Llama3TransformerBlock
+
+    import torch
+
+    from torchtitan_ext.config import CoreAttention
+    from torchtitan_ext.titan03.model import CANanoBlock, CoreAttentionModule, convert
+
+    spec = model_registry("debugmodel", attn_backend="varlen")
+    before = list(spec.model.layers)
+    assert convert(spec.model, CoreAttention(pingpong=True), compile_pieces=True) == 6
+    for layer, old in zip(spec.model.layers, before, strict=True):
+        assert type(old) is Llama3TransformerBlock.Config
+        assert type(layer) is CANanoBlock.Config and layer.compile_pieces
+        assert isinstance(layer.attention.inner_attention, CoreAttentionModule.Config)
+        # The very same sub-configs (attention converted in place, norms, FFN, sharding, init).
+        assert all(getattr(layer, f.name) is getattr(old, f.name) for f in dataclasses.fields(Llama3TransformerBlock.Config))
+    with torch.device("meta"):
+        model = spec.model.build()
+    model.verify_module_protocol()
+    assert all(type(b) is CANanoBlock for b in model.layers.values())
+    with pytest.raises(RuntimeError, match=r"nano_batches=2 needs a StepPlan with two plans"):
+        model.layers["0"](torch.zeros(1, 4, 256, device="meta"), None, torch.zeros(1, 4, dtype=torch.long, device="meta"))
+
+
+def test_auto_kernel_is_the_one_torchtitans_varlen_activates(_cpu_patches, monkeypatch):
+    """Like with like against CAD off: where torchtitan's varlen switches the process to FA3 (SM90)
+    or FA4 (SM100), ``backend auto`` runs torch's varlen under that implementation; elsewhere (CPU)
+    distca chooses; an explicit backend is kept."""
+    import torchtitan.tools.utils as tu
+
+    from torchtitan_ext.config import CoreAttention
+    from torchtitan_ext.titan03.model import convert, kernel_backend
+
+    assert kernel_backend("auto") == "auto" and kernel_backend("torch_varlen") == "torch_varlen"  # CPU here
+    for impl, backend in (("FA3", "torch_fa3"), ("FA4", "torch_fa4"), (None, "auto")):
+        monkeypatch.setattr(tu, "get_cuda_flash_attention_impl", lambda impl=impl: impl)
+        assert kernel_backend("auto") == backend and kernel_backend("flash_attn") == "flash_attn"
+        from torchtitan.models.llama3 import model_registry
+
+        spec = model_registry("debugmodel", attn_backend="varlen")
+        convert(spec.model, CoreAttention())
+        assert {layer.attention.inner_attention.backend for layer in spec.model.layers} == {backend}
