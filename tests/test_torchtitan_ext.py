@@ -733,8 +733,8 @@ def test_a_plan_kept_colocated_is_named_in_the_step_line():
     imbalance above the tolerance."""
     from distca import MODEL_SHAPES, load_cost_model
     from torchtitan_ext.config import CoreAttention
-    from torchtitan_ext.planning import CAPlanner
-    from torchtitan_ext.train import _kept_note
+    from torchtitan_ext.planning import CAPlanner, StepPlan
+    from torchtitan_ext.report import step_line, step_row
 
     pl = CAPlanner(
         cfg=CoreAttention(enable=True), mesh=None, degree=2, rank=0,
@@ -746,5 +746,6 @@ def test_a_plan_kept_colocated_is_named_in_the_step_line():
     assert kept.kept_colocated and kept.fwd_bytes == 0
     assert kept.imbalance == kept.imbalance_colocated > 1.2
     assert not moved.kept_colocated and moved.fwd_bytes > 0 and moved.imbalance < 1.05 < moved.imbalance_colocated
-    assert _kept_note([kept, moved]) == "; 1 of 2 plans kept colocated: no move pays for its bytes under the cost model"
-    assert _kept_note([moved]) == ""
+    line = step_line(4, step_row([StepPlan((), (kept, moved))], [], 1), "distca", 6, 1)
+    assert "(distca; 1 of 2 plans kept colocated: no move pays for its bytes under the cost model)" in line, line
+    assert "(distca)" in step_line(4, step_row([StepPlan((), (moved,))], [], 1), "distca", 6, 1)

@@ -20,7 +20,8 @@ Version-free (no torchtitan import at module level; reusable by another torchtit
 - ``pipeline``: the tick-synchronous pipeline schedules, on torch's pipelining;
 - ``ca_mesh``: the ``"ca"`` mesh dimension (CA groups), carved from torchtitan's world mesh (the
   ``ParallelDims`` attributes it reads are the same in 0.2.2 and 0.3.0);
-- ``_version``: the installed torchtitan and each adapter's check of it.
+- ``_version``: the installed torchtitan and each adapter's check of it;
+- ``_cpu``: the CPU start-up patches both torchtitans need (each adapter's ``_compat`` applies them).
 
 Written against torchtitan 0.2.2:
 

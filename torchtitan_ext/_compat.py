@@ -3,10 +3,10 @@
 torchtitan 0.2.2 assumes CUDA and triton. On a machine without CUDA five
 things break at start-up, MFU is computed against an A100 (not reported on CPU now) and
 ``--profiling.enable_profiling`` fails (measured with torch 2.13 CPU; the list
-is in ``docs/guides/torchtitan.md``, "CPU start-up patches"). :func:`apply` fixes
-them from outside the package; nothing in site-packages is edited. Each of
-these is applied only when it is needed (no CUDA; the triton stub only when
-triton is missing).
+is in ``docs/guides/torchtitan.md``, "CPU start-up patches"; the five that torchtitan 0.3.0 shares
+live in :mod:`torchtitan_ext._cpu`). :func:`apply` fixes them from outside the package; nothing in
+site-packages is edited. Each of these is applied only when it is needed (no CUDA; the triton stub
+only when triton is missing).
 
 One patch is not a workaround and is applied on every machine:
 ``"sac_save_core_attention"`` adds distca's core-attention op to llama3's
@@ -22,13 +22,12 @@ device type at import time (patch 2).
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import types
-from datetime import timedelta
 
 import torch
 
+from torchtitan_ext import _cpu
 from torchtitan_ext._version import require_torchtitan
 
 # The 0.2.2 adapter: under torchtitan 0.3.0 the error names torchtitan_ext.titan03's command.
@@ -57,11 +56,11 @@ def apply() -> frozenset[str]:
         _applied.add("triton_stub")
     if not torch.cuda.is_available():
         for name, fn in (
-            ("cpu_device_type", _cpu_device_type),
-            ("cpu_memory_monitor", _cpu_memory_monitor),
-            ("cpu_peak_flops", _cpu_peak_flops),
-            ("gloo_fsdp_sum", _gloo_fsdp_sum),
-            ("cpu_pg_timeouts", _cpu_pg_timeouts),
+            ("cpu_device_type", lambda: _cpu.device_type("call torchtitan_ext._compat.apply() before importing torchtitan")),
+            ("cpu_memory_monitor", _cpu.memory_monitor),
+            ("cpu_peak_flops", _cpu.no_mfu),
+            ("gloo_fsdp_sum", _cpu.gloo_fsdp_sum),
+            ("cpu_pg_timeouts", _cpu.pg_timeouts),
             ("cpu_profiler_activities", _cpu_profiler_activities),
         ):
             if name not in _applied:
@@ -74,7 +73,7 @@ def apply() -> frozenset[str]:
     return applied()
 
 
-# ---- 1. triton ---------------------------------------------------------------------------
+# ---- 1. triton (2-5: the CUDA-only code both torchtitans share, in torchtitan_ext._cpu) ----
 
 
 def _stub_moe_kernels() -> None:
@@ -98,166 +97,6 @@ def _stub_moe_kernels() -> None:
     stub.generate_permute_indices = _unavailable
     stub.fill_indices_wrapper = _unavailable
     sys.modules[name] = stub
-
-
-# ---- 2. device type ----------------------------------------------------------------------
-
-
-def _cpu_device_type() -> None:
-    """torchtitan/tools/utils.py binds ``device_type = _get_available_device_type() or "cuda"``.
-
-    Without an accelerator that falls back to ``"cuda"`` and the trainer dies in
-    ``torch.cuda.set_device`` (``module 'torch._C' has no attribute
-    '_cuda_setDevice'``). Importing torchtitan.tools.utils while the probe answers
-    ``"cpu"`` makes torchtitan use ``torch.cpu`` and gloo (its
-    ``default_device_backend_map["cpu"]``). The probe is restored afterwards so the
-    rest of torch is unaffected.
-    """
-    mod = sys.modules.get("torchtitan.tools.utils")
-    if mod is not None:
-        if mod.device_type != "cpu":
-            raise RuntimeError(
-                "torchtitan was imported before torchtitan_ext._compat.apply() and bound "
-                f"device_type={mod.device_type!r}; call apply() before importing torchtitan"
-            )
-        return
-    import torch._utils as tu
-
-    probe = tu._get_available_device_type
-    tu._get_available_device_type = lambda: "cpu"
-    try:
-        import torchtitan.tools.utils  # noqa: F401  (binds device_type = "cpu")
-    finally:
-        tu._get_available_device_type = probe
-
-
-# ---- 3. memory monitor and peak FLOPS --------------------------------------------------
-
-
-def _cpu_memory_monitor() -> None:
-    """torchtitan's ``DeviceMemoryMonitor`` calls CUDA-only functions on ``device_module``.
-
-    With ``device_module = torch.cpu`` it fails with ``module 'torch.cpu' has no
-    attribute 'get_device_name'``. CPU has no caching allocator, so the memory columns
-    (``memory: ...GiB`` per step, ``CPU memory usage for model``) report what the process
-    itself holds: its peak resident set size since it started (``ru_maxrss``; it cannot be
-    reset, so every step shows the peak so far), against physical RAM for the ``%``.
-    Existing attributes are never replaced.
-    """
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # physical RAM, for the "%" columns
-    except (ValueError, OSError, AttributeError):
-        total = 1
-
-    def memory_stats(device=None) -> dict[str, int]:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        peak *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
-        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak, "num_alloc_retries": 0, "num_ooms": 0}
-
-    noops = {
-        "get_device_name": lambda device=None: "cpu",
-        "get_device_properties": lambda device=None: types.SimpleNamespace(total_memory=total),
-        "reset_peak_memory_stats": lambda device=None: None,
-        "empty_cache": lambda: None,
-        "memory_stats": memory_stats,
-    }
-    for name, fn in noops.items():
-        if not hasattr(torch.cpu, name):
-            setattr(torch.cpu, name, fn)
-
-
-def _cpu_peak_flops() -> None:
-    """No MFU on CPU: ``get_peak_flops("cpu")`` is NaN, and the console says ``mfu: n/a on CPU``.
-
-    torchtitan's MFU divides by ``get_peak_flops(device_name)``, which runs ``lspci`` (absent
-    here: a warning) and falls back to an A100's 312 TFLOP/s (a second warning: ``mfu: 0.01%``).
-    A measured peak was tried and printed ``mfu: 104.97%``: a CPU has no peak that is an upper
-    bound (one timed matmul, slowed by the other rank on the same cores, was beaten by the step's
-    own matmuls), and torchtitan's FLOPs per token count non-causal attention over the whole
-    window where the window holds many short causal documents. So no MFU is reported on CPU;
-    ``tps`` is the throughput to compare. Non-CPU device names go to the original table.
-    """
-    import logging
-
-    import torchtitan.tools.utils as tu
-
-    original = tu.get_peak_flops
-
-    def get_peak_flops(device_name: str) -> float:
-        return float("nan") if device_name == "cpu" else original(device_name)
-
-    # torchtitan formats its lines itself (f"mfu: {mfu:.2f}%"), so NaN would print as "nan%".
-    says = {
-        "Peak FLOPS used for computing MFU: nan": "MFU is not reported on CPU: no peak bounds it (docs/guides/torchtitan.md)",
-        "mfu: nan%": "mfu: n/a on CPU",
-    }
-
-    def no_cpu_mfu(record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str) and "nan" in record.msg:
-            for old, new in says.items():
-                record.msg = record.msg.replace(old, new)
-        return True
-
-    get_peak_flops.__wrapped__ = original
-    tu.get_peak_flops = get_peak_flops
-    logging.getLogger().addFilter(no_cpu_mfu)  # torchtitan's logger is the root logger
-
-
-# ---- 4. FSDP on gloo ---------------------------------------------------------------------
-
-
-def _gloo_fsdp_sum() -> None:
-    """gloo has no ``ReduceOp.PREMUL_SUM``, which FSDP2 picks for a custom divide factor.
-
-    torchtitan's llama3 calls ``set_gradient_divide_factor(1.0)`` (the loss is
-    already divided by the global token count), and the reduce-scatter then fails
-    with ``Cannot use ReduceOp.PREMUL_SUM with Gloo``. Forcing FSDP's own
-    "sum reduction for comms" path on CPU gives the same result with plain SUM
-    (division by the factor, here 1, happens outside the collective).
-    """
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fc
-
-    original = fc._get_gradient_divide_factors
-
-    def _get_gradient_divide_factors(
-        reduce_scatter_group, all_reduce_group, reduce_dtype, device_type="", factor=None,
-        force_sum_reduction_for_comms=False,
-    ):  # fmt: skip
-        if device_type == "cpu":
-            force_sum_reduction_for_comms = True
-        return original(
-            reduce_scatter_group, all_reduce_group, reduce_dtype, device_type, factor, force_sum_reduction_for_comms
-        )
-
-    _get_gradient_divide_factors.__wrapped__ = original
-    fc._get_gradient_divide_factors = _get_gradient_divide_factors
-
-
-# ---- 5. process-group timeouts -----------------------------------------------------------
-
-
-def _cpu_pg_timeouts() -> None:
-    """``set_pg_timeouts`` (called after step 1) does ``barrier(device_ids=[current_device()])``.
-
-    With gloo that raises ``TypeError: ... Invoked with: BarrierOptions, ['cpu']``.
-    The replacement does the same thing with a plain ``barrier()``, and skips the mesh dims
-    whose group is a ``FakeProcessGroup`` (``efsdp`` without experts: it runs no collective,
-    has no timeout, and ``_set_pg_timeout`` warned about it on every rank).
-    """
-    import torchtitan.distributed.utils as du
-
-    def set_pg_timeouts(timeout: timedelta, parallel_dims) -> None:
-        torch.distributed.barrier()
-        groups = [m.get_group() for m in parallel_dims.get_all_one_dimensional_meshes().values()] + [None]
-        for group in groups:
-            if group is not None and isinstance(group._get_backend(torch.device("cpu")), torch._C._distributed_c10d.FakeProcessGroup):
-                continue
-            torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
-
-    set_pg_timeouts.__wrapped__ = du.set_pg_timeouts
-    du.set_pg_timeouts = set_pg_timeouts
 
 
 # ---- 6. profiler ---------------------------------------------------------------------------

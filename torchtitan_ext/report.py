@@ -17,7 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["RunRecord", "StepRecord", "SUMMARY_JSON", "summary_json", "load_summary", "summary_lines", "plot"]
+__all__ = [
+    "RunRecord", "StepRecord", "SUMMARY_JSON", "summary_json", "load_summary", "summary_lines", "plot", "step_row",
+    "step_record", "step_line",
+]  # fmt: skip
+
+_MiB = float(1 << 20)
 
 SUMMARY_JSON = "ca_summary.json"
 """The file every run writes in its dump folder, for a later run's ``compare_to``."""
@@ -74,6 +79,86 @@ class RunRecord:
     batches: dict = field(default_factory=dict)
     """What fixes the run's batches (dataset, seed, sequence length, batch sizes, steps): two runs
     with equal ``batches`` train on the same tokens, whatever their policy."""
+
+
+def step_row(steps: list, placed: list[tuple[float, float]], nano_batches: int, in_flight: int | None = None) -> dict:
+    """A step's ``ca/*`` metrics (TensorBoard scalars) from its ``StepPlan`` s
+    (:class:`torchtitan_ext.planning.StepPlan`, one per micro-batch or pipeline step) and its items'
+    modelled (before, after) placement imbalance; ``in_flight``: micro-batches this pipeline stage
+    held at once (tick schedules)."""
+    stats = [s for sp in steps for s in sp.stats]
+    row = {
+        "ca/imbalance_colocated": float(np.mean([s.imbalance_colocated for s in stats])),
+        "ca/imbalance": float(np.mean([s.imbalance for s in stats])),
+        "ca/fwd_MiB_per_layer": sum(s.fwd_bytes for s in stats) / _MiB,
+        "ca/bwd_MiB_per_layer": sum(s.bwd_bytes for s in stats) / _MiB,
+        "ca/max_server_MiB_per_layer": max(s.max_server_bytes for s in stats) / _MiB,
+        "ca/plan_ms": 1e3 * sum(s.plan_seconds for s in stats),
+        "ca/exposed_plan_ms": 1e3 * sum(sp.exposed_plan_seconds for sp in steps),
+        "ca/docs": float(np.mean([s.num_docs for s in stats])),
+        "ca/plans_kept_colocated": float(sum(s.kept_colocated for s in stats)),
+        "ca/plans": float(len(stats)),
+    }
+    if placed:  # modelled colocated max/mean over the step's slots, the loader's order -> placed
+        row["ca/placement_imbalance_before"] = float(np.mean([b for b, _ in placed]))
+        row["ca/placement_imbalance_after"] = float(np.mean([a for _, a in placed]))
+    idle = [s for s in stats if s.idle_ranks]
+    if idle:  # pipeline ticks with an idle stage: the share of their attention it served
+        row["ca/idle_served_share"] = float(
+            sum(sum(s.loads[r] for r in s.idle_ranks) for s in idle) / max(sum(sum(s.loads) for s in idle), 1e-30)
+        )
+    times = [sp.attention_seconds() for sp in steps]
+    if all(t is not None for t in times):
+        row.update({"ca/attn_fwd_s": sum(t[0] for t in times), "ca/attn_bwd_s": sum(t[1] for t in times)})
+    if in_flight is not None:
+        row["pp/in_flight_microbatches"] = float(in_flight)
+    if nano_batches > 1:
+        # Host time blocked on CA exchanges: what ping-pong did not hide (0 on CUDA, see distca.exchange).
+        row["ca/exposed_comm_s"] = sum(sp.exchange_wait_seconds for sp in steps)
+    return row
+
+
+def step_record(row: dict, steps: list, step_s: float, layers: int, bwd_factor: float) -> StepRecord:
+    """The summary's record of a step: ``row`` (:func:`step_row`) and the modelled times of its
+    plans; ``bwd_factor``: the cost model's backward / forward time."""
+    stats = [s for sp in steps for s in sp.stats]
+    per_step = layers * (1.0 + bwd_factor)  # one layer's forward -> the step's
+    return StepRecord(
+        step_s=step_s, imbalance_colocated=row["ca/imbalance_colocated"], imbalance=row["ca/imbalance"],
+        bytes=layers * sum(s.fwd_bytes + s.bwd_bytes for s in stats),
+        plan_s=row["ca/plan_ms"] / 1e3, exposed_plan_s=row["ca/exposed_plan_ms"] / 1e3, docs=row["ca/docs"],
+        model_colocated_s=layers * sum(s.layer_seconds_colocated for s in stats),
+        model_s=layers * sum(s.layer_seconds for s in stats),
+        rank_colocated_s=tuple(per_step * np.sum([s.colocated_loads for s in stats], axis=0)),
+        rank_s=tuple(per_step * np.sum([s.loads for s in stats], axis=0)),
+        attn_s=row["ca/attn_fwd_s"] + row["ca/attn_bwd_s"] if "ca/attn_fwd_s" in row else None,
+        exposed_comm_s=row.get("ca/exposed_comm_s"),
+    )  # fmt: skip
+
+
+def step_line(step: int, row: dict, policy: str, layers: int, nano_batches: int, stage: int = 0) -> str:
+    """The console's ``ca step`` line (``docs/guides/torchtitan.md``, "What the console shows")."""
+    if "ca/attn_fwd_s" in row:
+        attn = f"attn fwd {row['ca/attn_fwd_s']:.3f} s bwd {row['ca/attn_bwd_s']:.3f} s"
+    elif "ca/exposed_comm_s" in row:
+        attn = f"exposed comm {row['ca/exposed_comm_s']:.3f} s ({nano_batches} nano-batches)"
+    else:
+        attn = "attn n/a (compiled)"
+    kept = int(row["ca/plans_kept_colocated"])
+    # Why an imbalance stays above the tolerance: plans distca kept home because no move paid.
+    why = f"; {kept} of {int(row['ca/plans'])} plans kept colocated: no move pays for its bytes under the cost model"
+    line = (
+        f"ca step {step:2}  imbalance {row['ca/imbalance_colocated']:.3f} (colocated) -> "
+        f"{row['ca/imbalance']:.3f} ({policy}{why if kept else ''})  "
+        f"bytes/layer fwd {row['ca/fwd_MiB_per_layer']:.2f} MiB bwd {row['ca/bwd_MiB_per_layer']:.2f} MiB "
+        f"(x{layers} layers)  plan {row['ca/plan_ms']:.1f} ms (exposed {row['ca/exposed_plan_ms']:.1f} ms)  "
+        f"{attn}  docs {row['ca/docs']:.0f}"
+    )
+    if "ca/placement_imbalance_before" in row:
+        line += f"  placement {row['ca/placement_imbalance_before']:.3f} -> {row['ca/placement_imbalance_after']:.3f}"
+    if "pp/in_flight_microbatches" in row:
+        line += f"  stage {stage} held {int(row['pp/in_flight_microbatches'])} micro-batches at once"
+    return line
 
 
 def _timed(run: RunRecord) -> list[StepRecord]:

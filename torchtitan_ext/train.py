@@ -28,7 +28,6 @@ from pathlib import Path  # noqa: E402
 from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
 
 import distca  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part, pipeline_llm  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import build_text_dataloader  # noqa: E402
@@ -48,7 +47,6 @@ __all__ = ["CoreAttentionTrainer", "build_dataloader", "parallelize", "pipelinin
 TRAIN_SPEC = "llama3_ca"
 """``[model] name`` of torchtitan's llama3 with the CA-aware data loader."""
 
-_MiB = 1 << 20
 
 
 def _ca_degree(job_config, dp_world_size: int) -> int:
@@ -344,74 +342,16 @@ class CoreAttentionTrainer(Trainer):
         if self.ca is None:
             return
         steps, self._step_plans = self._step_plans, []  # the step's plans are freed here
-        stats = [s for sp in steps for s in sp.stats]
-        times = [sp.attention_seconds() for sp in steps]
-        n_layers = self.model_args.n_layers
-        row = {
-            "ca/imbalance_colocated": float(np.mean([s.imbalance_colocated for s in stats])),
-            "ca/imbalance": float(np.mean([s.imbalance for s in stats])),
-            "ca/fwd_MiB_per_layer": sum(s.fwd_bytes for s in stats) / _MiB,
-            "ca/bwd_MiB_per_layer": sum(s.bwd_bytes for s in stats) / _MiB,
-            "ca/max_server_MiB_per_layer": max(s.max_server_bytes for s in stats) / _MiB,
-            "ca/plan_ms": 1e3 * sum(s.plan_seconds for s in stats),
-            "ca/exposed_plan_ms": 1e3 * sum(sp.exposed_plan_seconds for sp in steps),
-            "ca/docs": float(np.mean([s.num_docs for s in stats])),
-            "ca/plans_kept_colocated": float(sum(s.kept_colocated for s in stats)),
-        }
         placed, self._step_placed = self._step_placed, []
-        if placed:  # modelled colocated max/mean over the step's slots, the loader's order -> placed
-            row["ca/placement_imbalance_before"] = float(np.mean([b for b, _ in placed]))
-            row["ca/placement_imbalance_after"] = float(np.mean([a for _, a in placed]))
-        idle = [s for s in stats if s.idle_ranks]
-        if idle:  # pipeline ticks with an idle stage: the share of their attention it served
-            row["ca/idle_served_share"] = float(
-                sum(sum(s.loads[r] for r in s.idle_ranks) for s in idle) / max(sum(sum(s.loads) for s in idle), 1e-30)
-            )
-        if all(t is not None for t in times):
-            row.update({"ca/attn_fwd_s": sum(t[0] for t in times), "ca/attn_bwd_s": sum(t[1] for t in times)})
-        in_flight = self._in_flight
-        if in_flight is not None:  # a tick schedule: micro-batches whose activations this stage held at once
-            row["pp/in_flight_microbatches"] = float(in_flight)
-        if self.ca.nano_batches > 1:
-            # Host time blocked on CA exchanges: what ping-pong did not hide (0 on CUDA, see distca.exchange).
-            row["ca/exposed_comm_s"] = sum(sp.exchange_wait_seconds for sp in steps)
+        n_layers = self.model_args.n_layers
+        row = report.step_row(steps, placed, self.ca.nano_batches, self._in_flight)
         self.run_stats.rows.append(row)
-        per_step = n_layers * (1.0 + self.ca.cost_model.bwd_factor)  # one layer's forward -> the step's
         self.run_stats.records.append(
-            report.StepRecord(
-                step_s=self.run_stats.step_seconds[-1],
-                imbalance_colocated=row["ca/imbalance_colocated"], imbalance=row["ca/imbalance"],
-                bytes=n_layers * sum(s.fwd_bytes + s.bwd_bytes for s in stats),
-                plan_s=row["ca/plan_ms"] / 1e3, exposed_plan_s=row["ca/exposed_plan_ms"] / 1e3, docs=row["ca/docs"],
-                model_colocated_s=n_layers * sum(s.layer_seconds_colocated for s in stats),
-                model_s=n_layers * sum(s.layer_seconds for s in stats),
-                rank_colocated_s=tuple(per_step * np.sum([s.colocated_loads for s in stats], axis=0)),
-                rank_s=tuple(per_step * np.sum([s.loads for s in stats], axis=0)),
-                attn_s=row["ca/attn_fwd_s"] + row["ca/attn_bwd_s"] if "ca/attn_fwd_s" in row else None,
-                exposed_comm_s=row.get("ca/exposed_comm_s"),
-            )  # fmt: skip
+            report.step_record(row, steps, self.run_stats.step_seconds[-1], n_layers, self.ca.cost_model.bwd_factor)
         )
         if self.metrics_processor.should_log(self.step):
             self.metrics_processor.logger.log(row, self.step)
-            if "ca/attn_fwd_s" in row:
-                attn = f"attn fwd {row['ca/attn_fwd_s']:.3f} s bwd {row['ca/attn_bwd_s']:.3f} s"
-            elif "ca/exposed_comm_s" in row:
-                attn = f"exposed comm {row['ca/exposed_comm_s']:.3f} s ({self.ca.nano_batches} nano-batches)"
-            else:
-                attn = "attn n/a (compiled)"
-
-            logger.info(
-                f"ca step {self.step:2}  imbalance {row['ca/imbalance_colocated']:.3f} (colocated) -> "
-                f"{row['ca/imbalance']:.3f} ({self.ca.cfg.policy}{_kept_note(stats)})  "
-                f"bytes/layer fwd {row['ca/fwd_MiB_per_layer']:.2f} MiB bwd {row['ca/bwd_MiB_per_layer']:.2f} MiB "
-                f"(x{n_layers} layers)  plan {row['ca/plan_ms']:.1f} ms (exposed {row['ca/exposed_plan_ms']:.1f} ms)  "
-                f"{attn}  docs {row['ca/docs']:.0f}"
-                + (
-                    f"  placement {row['ca/placement_imbalance_before']:.3f} -> {row['ca/placement_imbalance_after']:.3f}"
-                    if placed else ""
-                )  # fmt: skip
-                + (f"  stage {self.ca.stage} held {in_flight} micro-batches at once" if in_flight is not None else "")
-            )
+            logger.info(report.step_line(self.step, row, self.ca.cfg.policy, n_layers, self.ca.nano_batches, self.ca.stage))
 
     def train(self) -> None:
         super().train()
@@ -503,15 +443,6 @@ def _quiet() -> None:
     # torchtitan's logger is the root logger. Its checkpointer looks for HF weights'
     # index file at start-up even with checkpointing off; the shipped assets are a tokenizer only.
     logging.getLogger().addFilter(_DropMessages(("model.safetensors.index.json not found",)))
-
-
-def _kept_note(stats: list) -> str:
-    """Why a step's distca imbalance stays above the tolerance when it does: the plans it kept
-    colocated because no move was modelled to pay (``StepStats.kept_colocated``)."""
-    kept = sum(s.kept_colocated for s in stats)
-    if not kept:
-        return ""
-    return f"; {kept} of {len(stats)} plans kept colocated: no move pays for its bytes under the cost model"
 
 
 def run() -> None:

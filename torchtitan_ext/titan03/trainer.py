@@ -33,7 +33,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.tools.logging import logger
@@ -52,7 +51,6 @@ from torchtitan_ext.titan03.validate import CAValidator
 
 __all__ = ["CoreAttentionTrainer"]
 
-_MiB = 1 << 20
 
 
 def _ac_mode(ac) -> tuple[str, str]:
@@ -425,61 +423,15 @@ class CoreAttentionTrainer(Trainer):
         if self.ca is None:
             return
         steps, self._step_plans = self._step_plans, []
-        stats = [s for sp in steps for s in sp.stats]
-        row = {
-            "ca/imbalance_colocated": float(np.mean([s.imbalance_colocated for s in stats])),
-            "ca/imbalance": float(np.mean([s.imbalance for s in stats])),
-            "ca/fwd_MiB_per_layer": sum(s.fwd_bytes for s in stats) / _MiB,
-            "ca/bwd_MiB_per_layer": sum(s.bwd_bytes for s in stats) / _MiB,
-            "ca/plan_ms": 1e3 * sum(s.plan_seconds for s in stats),
-            "ca/exposed_plan_ms": 1e3 * sum(sp.exposed_plan_seconds for sp in steps),
-            "ca/docs": float(np.mean([s.num_docs for s in stats])),
-        }
-        times = [sp.attention_seconds() for sp in steps]
-        if times and all(t is not None for t in times):
-            row["ca/attn_fwd_s"], row["ca/attn_bwd_s"] = sum(t[0] for t in times), sum(t[1] for t in times)
         placed, self._step_placed = self._step_placed, []
-        if placed:  # modelled colocated max/mean over the step's slots, the loader's order -> placed
-            row["ca/placement_imbalance_before"] = float(np.mean([b for b, _ in placed]))
-            row["ca/placement_imbalance_after"] = float(np.mean([a for _, a in placed]))
-        if self.ca.nano_batches > 1:
-            # Host time blocked on CA exchanges: what ping-pong did not hide (0 on CUDA, see distca.exchange).
-            row["ca/exposed_comm_s"] = sum(sp.exchange_wait_seconds for sp in steps)
         n_layers = len(self.config.model_spec.model.layers)
-        per_step = n_layers * (1.0 + self.ca.cost_model.bwd_factor)  # one layer's forward -> the step's
+        row = report.step_row(steps, placed, self.ca.nano_batches)
         self._records.append(
-            report.StepRecord(
-                step_s=self._step_seconds[-1], imbalance_colocated=row["ca/imbalance_colocated"],
-                imbalance=row["ca/imbalance"], bytes=n_layers * sum(s.fwd_bytes + s.bwd_bytes for s in stats),
-                plan_s=row["ca/plan_ms"] / 1e3, exposed_plan_s=row["ca/exposed_plan_ms"] / 1e3, docs=row["ca/docs"],
-                model_colocated_s=n_layers * sum(s.layer_seconds_colocated for s in stats),
-                model_s=n_layers * sum(s.layer_seconds for s in stats),
-                rank_colocated_s=tuple(per_step * np.sum([s.colocated_loads for s in stats], axis=0)),
-                rank_s=tuple(per_step * np.sum([s.loads for s in stats], axis=0)),
-                attn_s=row["ca/attn_fwd_s"] + row["ca/attn_bwd_s"] if "ca/attn_fwd_s" in row else None,
-                exposed_comm_s=row.get("ca/exposed_comm_s"),
-            )  # fmt: skip
+            report.step_record(row, steps, self._step_seconds[-1], n_layers, self.ca.cost_model.bwd_factor)
         )
-        if "ca/attn_fwd_s" in row:
-            attn = f"attn fwd {row['ca/attn_fwd_s']:.3f} s bwd {row['ca/attn_bwd_s']:.3f} s  "
-        elif "ca/exposed_comm_s" in row:
-            attn = f"exposed comm {row['ca/exposed_comm_s']:.3f} s ({self.ca.nano_batches} nano-batches)  "
-        else:
-            attn = "attn n/a (compiled)  "
         if self.metrics_processor.should_log(self.step):
             self.metrics_processor.logger.log(row, self.step)
-            logger.info(
-                f"ca step {self.step:2}  imbalance {row['ca/imbalance_colocated']:.3f} (colocated) -> "
-                f"{row['ca/imbalance']:.3f} ({self.ca.cfg.policy})  "
-                f"bytes/layer fwd {row['ca/fwd_MiB_per_layer']:.2f} MiB bwd {row['ca/bwd_MiB_per_layer']:.2f} MiB "
-                f"(x{n_layers} layers)  plan {row['ca/plan_ms']:.1f} ms (exposed {row['ca/exposed_plan_ms']:.1f} ms)  "
-                + attn
-                + f"docs {row['ca/docs']:.0f}"
-                + (
-                    f"  placement {row['ca/placement_imbalance_before']:.3f} -> {row['ca/placement_imbalance_after']:.3f}"
-                    if placed else ""
-                )  # fmt: skip
-            )
+            logger.info(report.step_line(self.step, row, self.ca.cfg.policy, n_layers, self.ca.nano_batches, self.ca.stage))
 
     def train(self) -> None:
         super().train()
