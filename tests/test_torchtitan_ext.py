@@ -266,7 +266,7 @@ def test_compat_refuses_late_import():
         "try:\n"
         "    _compat.apply()\n"
         "except RuntimeError as e:\n"
-        "    assert 'call apply() before importing torchtitan' in str(e), e\n"
+        "    assert 'apply() before importing torchtitan' in str(e), e\n"
         "    print('raised')\n"
     )
     if torch.cuda.is_available():
