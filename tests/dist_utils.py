@@ -9,9 +9,9 @@ from distca._spawn import run as run_workers
 # The collective counter lives with the scripts (scripts/bench_attention.py counts with it too,
 # and a script cannot import tests/).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from collective_counter import COLLECTIVES, P2P_OPS, Call, Calls, count_collectives  # noqa: E402
+from collective_counter import COLLECTIVES, FUNCTIONAL, P2P_OPS, Call, Calls, count_collectives  # noqa: E402
 
-__all__ = ["COLLECTIVES", "P2P_OPS", "Call", "Calls", "count_collectives", "run_cases", "run_script", "run_workers"]
+__all__ = ["COLLECTIVES", "FUNCTIONAL", "P2P_OPS", "Call", "Calls", "count_collectives", "run_cases", "run_script", "run_workers"]
 
 
 def _each(rank, world, fn, cases):

@@ -195,6 +195,38 @@ def test_nano_batches_keep_documents_whole_and_resume():
         CAPackedDataset(stream, group=0, ca_rank=0, ca_degree=R, seq_len=63, nano_batches=2)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_nano_batches_with_tensor_parallel_lay_rows_out_tp_major_and_resume(tp):
+    """With ``tp`` TP ranks the item holds the rows of ``tp = 1`` re-indexed TP-major: TP rank t's
+    sequence shard (rows [t T/tp, (t+1) T/tp), torchtitan's Shard(1)) is [nano 0 chunk t | nano 1
+    chunk t], so gathering every shard's first (second) half in TP order gives nano-batch 0 (1) in
+    stream order. Layouts, labels, positions and the checkpointed state are those of ``tp = 1``."""
+    from torchtitan_ext.data import nano_rank_batch, tp_major_rows
+
+    stream = ListStream([50, 7, 130, 3, 90, 11, 300])
+    R, T = 2, 64
+    it = iter(CAPackedDataset(stream, group=0, ca_rank=1, ca_degree=R, seq_len=T, nano_batches=2, tp=tp))
+    state = StreamState()
+    for _ in range(3):
+        w = group_window(stream, state, R, T)
+        state = w.next_state
+        d, lab = next(it)
+        base, base_lab = nano_rank_batch(w, 1, T)  # [n0 | n1], the rows of tp = 1
+        for k in ("cu_seqlens", "cu_seqlens_1", "context_1"):
+            assert torch.equal(d[k], base[k]), k
+        for got, want in ((d["input"], base["input"]), (d["positions"], base["positions"]), (lab, base_lab)):
+            shards = got[0].view(tp, T // tp)  # [tp, T/tp]: TP rank t's Shard(1) piece
+            for n in (0, 1):  # the all-gather (TP order) of each shard's n-th half is nano-batch n
+                half = shards[:, n * T // (2 * tp) : (n + 1) * T // (2 * tp)].reshape(-1)
+                assert torch.equal(half, want[0, n * T // 2 : (n + 1) * T // 2])
+            assert torch.equal(got[0], want[0][tp_major_rows(T, tp)])
+    _assert_resumes(lambda: CAPackedDataset(stream, group=0, ca_rank=1, ca_degree=R, seq_len=T, nano_batches=2, tp=tp))
+    assert tp_major_rows(8, 1).tolist() == list(range(8))
+    with pytest.raises(ValueError, match=r"tp=4 must be an integer >= 1 with seq_len=68 divisible by 2 \* tp"):
+        CAPackedDataset(stream, group=0, ca_rank=0, ca_degree=R, seq_len=68, nano_batches=2, tp=4)
+    CAPackedDataset(stream, group=0, ca_rank=0, ca_degree=R, seq_len=68, nano_batches=1, tp=4)  # one nano-batch: no order
+
+
 @pytest.mark.parametrize("nano", [1, 2])
 def test_items_carry_the_next_layout_without_moving_the_state(nano):
     """Every item holds the next item's layout keys (``next_*``) for planning ahead; the

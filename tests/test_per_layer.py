@@ -237,3 +237,63 @@ def test_pingpong_issues_both_dispatches_before_waiting_and_reads_nothing_while_
         waited = [n for kind, n in bwd if kind == "wait"]
         assert len(waited) == len(set(waited)) and set(waited) == {n for kind, n in bwd if kind == "issue"}, bwd
         assert len(waited) == 2 * 4, bwd  # per nano-batch: Q bundle, K/V out; dQ, dK/dV back
+
+
+# ---- ping-pong with tensor parallelism: the TP and CA collectives' order (4 gloo ranks) ---------
+
+
+def _tp_calls(calls, tp_group, ca_group):
+    """(group role "tp"/"ca", kind, backward, elements) per recorded call: a rank-independent name for
+    each, so that the sequences of all four ranks can be compared."""
+    role = {tuple(tp_group): "tp", tuple(ca_group): "ca"}
+    kind = lambda name: "AG" if "gather" in name else "RS" if "scatter" in name else "A2A" if "all_to_all" in name else name  # noqa: E731
+    out = []
+    for c in calls:
+        r = role.get(c.group, f"other{c.group}")
+        out.append((r, kind(c.name), c.backward, c.numel if r == "tp" else None))
+    return out
+
+
+@pytest.mark.slow
+def test_pingpong_with_tensor_parallel_issues_one_collective_order_on_every_rank():
+    """dp_shard 2 x tp 2 (``tests/_tp_nano.py``), one forward and backward of the converted 2-layer
+    model with ping-pong, every collective recorded, torch.distributed's and the functional ones
+    DTensor's redistribution issues (``count_collectives(functional=True)``), each with its group.
+
+    - Every rank issues the same sequence of (group: its TP or its CA group, collective, forward or
+      backward, TP size). That cannot deadlock between the two groups: the first collective of the
+      sequence that has not completed has been issued by every member of its group (each rank issues
+      in this order and waits only on collectives it issued before), and every earlier collective of
+      that group has completed, so it completes. TP peers thus also agree with each other.
+    - Forward, per block, the paper's order: nano-batch 0's TP all-gather, its two dispatch
+      all-to-alls (Q, K/V) issued before nano-batch 1's TP all-gather; nano-batch 1's dispatches;
+      both returns; then each nano-batch's reduce-scatter after ``wo``, all-gather before the MLP and
+      reduce-scatter after ``w2``. So TP collectives run per nano-batch (8 per block, of T / (2 tp)
+      rows each) and each nano-batch's TP work lies between the other's exchanges.
+    - Backward: 8 TP collectives per block as well, and the exchange's all-to-alls (4 per nano-batch
+      and layer in resend mode)."""
+    import _tp_nano
+
+    res = run_workers(_tp_nano.worker, 4, ("pingpong", "sequential"), True, timeout=300)
+    seqs = [_tp_calls(r["pingpong"]["calls"], r["tp_group"], r["ca_group"]) for r in res]
+    assert all(s == seqs[0] for s in seqs), [len(s) for s in seqs]
+    seq = seqs[0]
+    assert {r for r, *_ in seq} == {"tp", "ca"}, sorted({r for r, *_ in seq})
+    fwd = [(r, k, n) for r, k, b, n in seq if not b]
+    bwd = [(r, k, n) for r, k, b, n in seq if b]
+    half = _tp_nano.T // (2 * _tp_nano.TP) * 64  # elements of a nano-batch's local shard [1, T / (2 tp), dim]
+    ag, rs, a2a = ("tp", "AG", half), ("tp", "RS", 2 * half), ("ca", "A2A", None)
+    block = [ag, a2a, a2a, ag, a2a, a2a, a2a, a2a, rs, ag, rs, rs, ag, rs]
+    layers = 2
+    inner = [c for c in fwd if c[0] == "ca" or c[1:] in (("AG", half), ("RS", 2 * half))]
+    assert inner == block * layers, inner
+    # Backward: each all-gather's is a reduce-scatter of its gathered rows, each reduce-scatter's an
+    # all-gather of the shard: 4 + 4 per block at a nano-batch's size (the embedding's all-gather, at
+    # the whole shard's size, and the norms' are outside the blocks).
+    assert bwd.count(("tp", "RS", 2 * half)) == 4 * layers and bwd.count(("tp", "AG", half)) == 4 * layers, bwd
+    assert sum(c[0] == "ca" for c in bwd) == 2 * 4 * layers, bwd
+    # The sequential schedule (nano_batches = 2 without ping-pong) is one order on every rank too.
+    seq_s = [_tp_calls(r["sequential"]["calls"], r["tp_group"], r["ca_group"]) for r in res]
+    assert all(s == seq_s[0] for s in seq_s)
+    one = [ag, a2a, a2a, a2a, rs, ag, rs]
+    assert [c for c in ((r, k, n) for r, k, b, n in seq_s[0] if not b) if c[0] == "ca" or c[1:] in (("AG", half), ("RS", 2 * half))] == one * 2 * layers

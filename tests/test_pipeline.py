@@ -234,6 +234,14 @@ def pp2_tp2(titan_dir, seed_ckpt):
 
 
 @pytest.fixture(scope="module")
+def pp2_tp2_pingpong(titan_dir, seed_ckpt):
+    """``pp2_tp2`` with ping-pong under Tick1F1B: the paper's 34B shape (TP + tick 1F1B + ping-pong) in miniature."""
+    return _from_seed(4, titan_dir, seed_ckpt, "pp2_tp2_pingpong", "--training.seq_len", "256",
+                      "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
+                      "--core_attention.pingpong", "--checkpoint.interval", "100000", timeout=600)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
 def tp2_accum4(titan_dir, seed_ckpt):
     """pp 2 x tp 2's reference: tp 2 on 2 processes, CAD on, gradient accumulation over 4 micro-batches."""
     return _from_seed(
@@ -395,6 +403,15 @@ def test_pp2_tp2_equals_tp2_with_gradient_accumulation(pp2_tp2, tp2_accum4):
     """PP with TP (the paper's every run has TP): pp 2 x tp 2 trains as tp 2 without PP."""
     assert "group of 2" in pp2_tp2[0] and "TP 2" in pp2_tp2[0], pp2_tp2[0][-3000:]
     _assert_same_training(pp2_tp2, tp2_accum4)
+
+
+@pytest.mark.slow
+def test_pp2_tp2_pingpong_equals_tp2_with_gradient_accumulation(pp2_tp2_pingpong, tp2_accum4):
+    """TP + Tick1F1B + ping-pong (each stage's TP ranks halve their sequence shards, TP collectives per
+    nano-batch, rows TP-major): trains as tp 2 without PP or nano-batches."""
+    log = pp2_tp2_pingpong[0]
+    assert "group of 2" in log and "TP 2" in log and "ping-pong" in log and "Tick1F1B" in log, log[-3000:]
+    _assert_same_training(pp2_tp2_pingpong, tp2_accum4)
 
 
 @pytest.mark.slow

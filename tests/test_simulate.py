@@ -473,6 +473,25 @@ def test_collective_latency_is_paid_per_call_and_only_when_rows_move():
     assert w.latency == (hw.ring_latency_s(4), 0.0, hw.ring_latency_s(4), hw.ring_latency_s(4))
 
 
+def test_pingpong_runs_tp_collectives_per_nano_batch():
+    """With ping-pong each nano-batch runs its own 4 TP collectives per layer and direction (the paper's
+    and torchtitan_ext's): the same bytes in twice the calls, each extra call paying NCCL's launch
+    latency. At the grid's contexts (>= 64K tokens per rank, any TP) the linear layers stay FLOP-bound,
+    so no row of the 3D or 4D grids moves; only a tiny per-rank share would (here: 16 tokens)."""
+    hw = hardware.Hardware()
+    for name in ("llama3-8b", "llama3-34b"):
+        a = hardware.ARCHS[name]
+        for tokens in (65536, 131072, 524288):
+            for tp in (1, 2, 8):
+                assert hardware.linear_fwd_s(a, tokens, hw, tp, 2) == hardware.linear_fwd_s(a, tokens, hw, tp)
+        t, tp = 16, 8
+        bytes_s = hardware.TP_COLLECTIVES_PER_LAYER * (tp - 1) / tp * t * a.hidden * 2 / hw.nvlink_bytes_per_s
+        extra = hardware.TP_COLLECTIVES_PER_LAYER * hardware.A2A_BASE_LATENCY_S
+        assert hardware.linear_fwd_s(a, t, hw, tp, 2) == pytest.approx(bytes_s + extra)  # latency-bound
+        assert hardware.linear_fwd_s(a, t, hw, tp, 2) > hardware.linear_fwd_s(a, t, hw, tp)
+        assert hardware.linear_fwd_s(a, t, hw, 1, 2) == hardware.linear_fwd_s(a, t, hw, 1)  # no TP: no collective
+
+
 def test_tick_step_charges_the_op_overhead_on_every_rank_and_layer():
     """No attention, no comm: the op's per-layer overhead lengthens every forward and backward tick by
     layers x overhead, idle stages included (they run the op as servers)."""

@@ -235,7 +235,8 @@ def test_recomputing_checkpointing_warns_once(caplog):
 @pytest.mark.parametrize("name", ["llama3_8b_ca.toml", "llama3_8b_ca_4d.toml"])
 def test_cluster_configs_use_op_sac_and_start(name):
     """The shipped cluster configs (not run here) checkpoint with op-level SAC and pass the
-    start-up rules at their documented size (2 nodes of 8; the 4D one: 8 nodes, pp 4 x tp 8 x dp 2)."""
+    start-up rules at their documented size (2 nodes of 8; the 4D one: 8 nodes, pp 4 x tp 8 x dp 2,
+    the paper's: Tick1F1B, TP 8 and ping-pong, its seq_len divisible by 2 x TP)."""
     c = tomllib.loads((ROOT / "train_configs" / name).read_text())
     ac, p = c["activation_checkpoint"], c["parallelism"]
     assert (ac["mode"], ac["selective_ac_option"]) == ("selective", "op")
@@ -245,9 +246,10 @@ def test_cluster_configs_use_op_sac_and_start(name):
     got = validate(
         CoreAttention(**keys), dp_size=dp, tp_degree=tp, pp_degree=pp,
         pp_schedule=p.get("pipeline_parallel_schedule", "1F1B"), ac_mode=ac["mode"], ac_option=ac["selective_ac_option"],
+        async_tp=p.get("enable_async_tensor_parallel", False), seq_len=c["training"]["seq_len"],
     )  # fmt: skip
-    if pp > 1:  # the 4D config is the paper's: Tick1F1B with TP
-        assert (p["pipeline_parallel_schedule"], tp, dp) == ("Tick1F1B", 8, 2)
+    if pp > 1:  # the 4D config is the paper's: Tick1F1B with TP and ping-pong
+        assert (p["pipeline_parallel_schedule"], tp, dp, keys["pingpong"]) == ("Tick1F1B", 8, 2, True)
     assert got == (keys["degree"] if keys["degree"] != -1 else dp)
 
 

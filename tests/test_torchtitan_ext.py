@@ -60,7 +60,7 @@ def test_validate_defaults_and_degree():
         (CoreAttention(enable=True, across_stages=False), {"dp_size": 2, "pp_degree": 2, "pp_schedule": "ZBVZeroBubble"}, r"interleaved, zero-bubble and DualPipeV schedules are not supported"),
         (CoreAttention(enable=True), {"dp_size": 2, "pp_degree": 2, "ac_mode": "full"}, r'across_stages=true cannot be combined with activation_checkpoint.mode="full"'),
         (CoreAttention(enable=True, degree=1), {"dp_size": 2, "pp_degree": 2}, r"core_attention.degree=1 must then be -1 or the data-parallel size 2"),
-        (CoreAttention(enable=True, pingpong=True), {"dp_size": 2, "tp_degree": 2}, r"cannot be combined with parallelism.tensor_parallel_degree=2: the nano-batch schedule"),
+        (CoreAttention(enable=True, pingpong=True), {"dp_size": 2, "tp_degree": 2, "seq_len": 66}, r"with parallelism.tensor_parallel_degree=2 needs training.seq_len divisible by nano_batches \* tensor_parallel_degree = 4, got seq_len=66"),
         (CoreAttention(policy="fastest"), {"dp_size": 2}, r"core_attention.policy='fastest' is unknown; choose one of \['distca', 'greedy', 'per_doc_cp', 'wlb_cp', 'colocated'\]"),
         (CoreAttention(mode="lazy"), {"dp_size": 2}, r"core_attention.mode='lazy' is unknown"),
         (CoreAttention(tolerance=1.5), {"dp_size": 2}, r"core_attention.tolerance=1.5 must be a number in \[0, 1\)"),

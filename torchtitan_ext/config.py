@@ -169,7 +169,8 @@ _SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B", *TICK_SCHEDULES)
 
 def validate(
     cfg: CoreAttention, *, dp_size: int, cp_degree: int = 1, tp_degree: int = 1, pp_degree: int = 1,
-    pp_schedule: str = "Tick1F1B", ac_mode: str = "none", ac_option: str = "2",
+    pp_schedule: str = "Tick1F1B", ac_mode: str = "none", ac_option: str = "2", async_tp: bool = False,
+    seq_len: int | None = None,
 ) -> int:  # fmt: skip
     """Check ``[core_attention]`` against the job's parallelism; return the CA degree.
 
@@ -178,11 +179,14 @@ def validate(
         dp_size: data-parallel size (dp_replicate * dp_shard) of the job.
         cp_degree, tp_degree, pp_degree: torchtitan's other parallel degrees. Tensor
             parallelism composes (each TP rank dispatches its own heads, with or without pipeline
-            parallelism) except with nano-batches; context parallelism is rejected.
+            parallelism and nano-batches); context parallelism is rejected.
         pp_schedule: ``parallelism.pipeline_parallel_schedule`` (read when ``pp_degree > 1``).
         ac_mode, ac_option: ``activation_checkpoint.mode`` and ``selective_ac_option`` (torchtitan's
             default "2"): activation checkpointing must not re-run core attention's exchanges
             where that breaks or only wastes them (nano-batches, a CA group across stages).
+        async_tp: ``parallelism.enable_async_tensor_parallel`` (rejected with nano-batches).
+        seq_len: ``training.seq_len`` (None: not checked); with nano-batches and tensor parallelism
+            it must be divisible by ``2 * tp_degree`` (each TP rank holds an equal chunk of both).
 
     Returns:
         Data-parallel ranks per CA group (with ``across_stages`` under pipeline parallelism the
@@ -221,13 +225,7 @@ def validate(
             "context_parallel_degree = 1 (and use core_attention.degree instead)"
         )
     if tp_degree > 1 and n_nano > 1:
-        raise ValueError(
-            f"core_attention.nano_batches={cfg.nano_batches} (pingpong={str(cfg.pingpong).lower()}, resolved to "
-            f"{n_nano} nano-batches) cannot be combined with parallelism.tensor_parallel_degree={tp_degree}: the "
-            "nano-batch schedule calls each TransformerBlock's submodules directly and so bypasses torchtitan's "
-            "tensor/sequence-parallel input and output redistribution on block.attention and block.feed_forward; "
-            "set core_attention.nano_batches = 1 and pingpong = false, or tensor_parallel_degree = 1"
-        )
+        _validate_nano_tp(cfg, n_nano, tp_degree, async_tp, seq_len)
     if n_nano > 1 and ac_mode in ("full", "selective") and not saves_core_attention(ac_mode, ac_option):
         # Full AC or layer SAC re-runs the whole block in the backward, the schedule's phases
         # (distca.pingpong's ops) with their all-to-alls included; op-level SAC saves them.
@@ -241,6 +239,29 @@ def validate(
     if pp_degree > 1:
         return _validate_pp(cfg, dp_size, tp_degree, pp_degree, pp_schedule, ac_mode, ac_option, n_nano)
     return _dp_degree(cfg, dp_size)
+
+
+def _validate_nano_tp(cfg: CoreAttention, n_nano: int, tp: int, async_tp: bool, seq_len: int | None) -> None:
+    """Nano-batches with tensor parallelism: each nano-batch's TP collectives run on its own rows
+    (``torchtitan_ext.layers._nano_block_forward``, rows laid out TP-major by the loader)."""
+    what = (
+        f"core_attention.nano_batches={cfg.nano_batches} (pingpong={str(cfg.pingpong).lower()}, resolved to "
+        f"{n_nano} nano-batches) with parallelism.tensor_parallel_degree={tp}"
+    )
+    if async_tp:
+        # Async TP rewrites the compiled all-gather + matmul pairs of whole blocks; the nano-batch
+        # schedule compiles pieces of a block, an untested pattern for that pass.
+        raise ValueError(
+            f"{what} cannot be combined with parallelism.enable_async_tensor_parallel=true (untested with the "
+            "nano-batch schedule); set enable_async_tensor_parallel = false, or core_attention.pingpong = false "
+            "and nano_batches = 1"
+        )
+    if seq_len is not None and seq_len % (n_nano * tp):
+        raise ValueError(
+            f"{what} needs training.seq_len divisible by nano_batches * tensor_parallel_degree = {n_nano * tp}, "
+            f"got seq_len={seq_len}: each TP rank holds an equal chunk of each nano-batch "
+            f"(use a multiple of {n_nano * tp})"
+        )
 
 
 def saves_core_attention(ac_mode: str, ac_option: str) -> bool:
@@ -315,7 +336,8 @@ def validate_job(cfg: CoreAttention, job_config, dp_size: int) -> int:
     degree = validate(
         cfg, dp_size=dp_size, cp_degree=p.context_parallel_degree, tp_degree=p.tensor_parallel_degree,
         pp_degree=p.pipeline_parallel_degree, pp_schedule=p.pipeline_parallel_schedule,
-        ac_mode=ac.mode, ac_option=ac_option,
+        ac_mode=ac.mode, ac_option=ac_option, async_tp=getattr(p, "enable_async_tensor_parallel", False),
+        seq_len=job_config.training.seq_len,
     )  # fmt: skip
     if cfg.enable and ac.mode in ("full", "selective") and not saves_core_attention(ac.mode, ac_option):
         _warn_once(
@@ -323,6 +345,14 @@ def validate_job(cfg: CoreAttention, job_config, dp_size: int) -> int:
             'in the backward, its all-to-alls included; selective_ac_option = "op" saves its outputs instead'
         )
     val = getattr(job_config, "validation", None)
+    tp, n_nano = p.tensor_parallel_degree, nano_batches(cfg)
+    if cfg.enable and tp > 1 and n_nano > 1 and val is not None and val.enable and val.seq_len % (n_nano * tp):
+        raise ValueError(
+            f"validation.seq_len={val.seq_len} must be divisible by nano_batches * tensor_parallel_degree = "
+            f"{n_nano * tp} with core_attention.nano_batches={cfg.nano_batches} (pingpong="
+            f"{str(cfg.pingpong).lower()}): validation batches are laid out as training's, each TP rank holding "
+            "an equal chunk of each nano-batch"
+        )
     if cfg.enable and p.pipeline_parallel_degree > 1 and val is not None and val.enable:
         tr = job_config.training
         for key in ("local_batch_size", "seq_len"):

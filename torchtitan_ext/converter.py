@@ -24,9 +24,12 @@ as without CAD. Tensor parallelism composes: torchtitan shards ``wq``/``wk``/``w
 column-wise, so the inner attention of TP rank ``t`` sees its local heads over the
 full row (``block.attention``'s input is redistributed to Replicate), and the CA
 group of batch ranks that share TP rank ``t`` dispatches those heads; the TP peers
-of a batch rank read the same data and plan the same layout. Not with nano-batches
-(their schedule bypasses TP's module hooks), and not with context parallelism
-(:func:`torchtitan_ext.config.validate`). Pipeline parallelism: a CA group may span the
+of a batch rank read the same data and plan the same layout. With nano-batches (ping-pong)
+each TP rank halves its sequence shard and each half's TP all-gather and reduce-scatter run in
+that nano-batch's compute phases; the loader lays each rank's rows out TP-major so that each
+gathered half is exactly one nano-batch in stream order (``torchtitan_ext.data.nano_rank_batch``,
+``training.seq_len`` divisible by ``2 * tensor_parallel_degree``). Not with context parallelism,
+nor async TP with nano-batches (:func:`torchtitan_ext.config.validate`). Pipeline parallelism: a CA group may span the
 stages (``core_attention.across_stages``), planned per tick
 (:func:`torchtitan_ext.planning.tick_layouts`, :mod:`torchtitan_ext.pipeline`).
 """
@@ -141,6 +144,7 @@ class CoreAttentionConverter:
             block.attention.forward = types.MethodType(_attention_forward, block.attention)
             if pieces is not None:
                 block._ca_pieces = pieces
+                block._ca_tp = tp  # the nano-batch schedule cuts the replicated positions per TP shard
                 block.forward = types.MethodType(_nano_block_forward, block)
             n += 1
         model._ca_planner = pl

@@ -26,6 +26,7 @@ Public surface:
     ``CAPackedDataset``       the stateful iterable dataset (DCP checkpoint/resume)
     ``group_window``          pure: one step's global window of a group's stream
     ``rank_batch``            slice a window into one rank's ``(input_dict, labels)``
+    ``nano_rank_batch``       the same for two nano-batches (TP-major rows with tensor parallelism)
     ``place_windows``         pure: a step's windows with their documents placed (``distca.place``)
     ``make_stream``           a source's document stream for one CA group
     ``TOKENIZER_PATH``        the shipped offline tokenizer (``assets/tokenizer``)
@@ -77,6 +78,8 @@ __all__ = [
     "GroupWindow",
     "group_window",
     "rank_batch",
+    "nano_rank_batch",
+    "tp_major_rows",
     "PlacedStep",
     "place_windows",
     # torchtitan
@@ -635,6 +638,7 @@ class CAPackedDataset(IterableDataset, Stateful):
         placement: str = "none",
         cost_model: "CostModel | str | None" = None,
         shape: "ModelShape | str | None" = None,
+        tp: int = 1,
     ):
         for arg, v in (
             ("ca_degree", ca_degree), ("seq_len", seq_len), ("nano_batches", nano_batches), ("microbatches", microbatches)
@@ -645,6 +649,11 @@ class CAPackedDataset(IterableDataset, Stateful):
             raise ValueError(f"ca_rank must be in [0, ca_degree={ca_degree}), got {ca_rank}")
         if nano_batches not in (1, 2) or seq_len % nano_batches:
             raise ValueError(f"nano_batches must be 1 or 2 and divide seq_len={seq_len}, got {nano_batches}")
+        if nano_batches == 2:
+            tp_major_rows(seq_len, tp)  # raises unless seq_len % (2 * tp) == 0
+        self.tp = tp
+        """Tensor-parallel degree: with two nano-batches, the rows' TP-major order (:func:`nano_rank_batch`).
+        Not part of the checkpointed identity: it orders rows inside an item, the stream position is the same."""
         self.stream = stream
         self.group, self.ca_rank, self.ca_degree, self.seq_len, self.seed = group, ca_rank, ca_degree, seq_len, seed
         self.nano_batches = nano_batches
@@ -689,8 +698,10 @@ class CAPackedDataset(IterableDataset, Stateful):
             )  # fmt: skip
             windows = placed.windows
             extra[PLACEMENT_KEY] = torch.tensor([placed.imbalance_before, placed.imbalance_after], dtype=torch.float64)
-        one = rank_batch if self.nano_batches == 1 else nano_rank_batch
-        rows = [one(w, self.ca_rank, self.seq_len) for w in windows]
+        if self.nano_batches == 1:
+            rows = [rank_batch(w, self.ca_rank, self.seq_len) for w in windows]
+        else:
+            rows = [nano_rank_batch(w, self.ca_rank, self.seq_len, self.tp) for w in windows]
         item, labels = rows[0] if self.microbatches == 1 else self._microbatch_item(rows)
         return {**item, **extra}, labels, state
 
@@ -741,15 +752,44 @@ class CAPackedDataset(IterableDataset, Stateful):
         self._ahead = None
 
 
-def nano_rank_batch(window: GroupWindow, ca_rank: int, tokens_per_rank: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def tp_major_rows(tokens_per_rank: int, tp: int) -> torch.Tensor:
+    """int64 [T]: the order in which a rank's two nano-batches' rows (stream order, ``[n0 | n1]``)
+    are laid out in its ``[1, T]`` row for ``tp`` tensor-parallel ranks (see :func:`nano_rank_batch`).
+
+    Row ``j`` of the item is row ``tp_major_rows(T, tp)[j]`` of ``[n0 | n1]``; the identity for
+    ``tp = 1``. Needs ``T % (2 * tp) == 0``.
+
+    Example:
+        >>> tp_major_rows(8, 2).tolist()
+        [0, 1, 4, 5, 2, 3, 6, 7]
+    """
+    T = tokens_per_rank
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or T % (2 * tp):
+        raise ValueError(
+            f"tp={tp!r} must be an integer >= 1 with seq_len={T} divisible by 2 * tp: each TP rank "
+            "holds an equal chunk of both nano-batches"
+        )
+    return torch.arange(T).view(2, tp, T // (2 * tp)).transpose(0, 1).reshape(-1)  # [tp, 2, c] -> [T]
+
+
+def nano_rank_batch(
+    window: GroupWindow, ca_rank: int, tokens_per_rank: int, tp: int = 1
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Rank ``ca_rank``'s item for two nano-batches that keep documents whole.
 
     The window is split with ``distca.split_nano_batches(..., "stream")``: nano-batch ``n`` is the
     ``n``-th half of the group's stream, and the rank holds its ``ca_rank``-th ``T/2`` tokens of
-    each (rows ``[0, T/2)`` then ``[T/2, T)`` of its ``[1, T]``). The tokens, labels and positions
-    are the window's, so the step trains on exactly the tokens ``nano_batches = 1`` would. Keys:
-    ``cu_seqlens`` and ``cu_seqlens_1`` (each nano-batch's layout) and ``context_1`` (int64
-    [k, 3], ``Layout.context`` of nano-batch 1: the document it continues, if any).
+    each. The tokens, labels and positions are the window's, so the step trains on exactly the
+    tokens ``nano_batches = 1`` would. Keys: ``cu_seqlens`` and ``cu_seqlens_1`` (each nano-batch's
+    layout) and ``context_1`` (int64 [k, 3], ``Layout.context`` of nano-batch 1: the document it
+    continues, if any).
+
+    Row order (:func:`tp_major_rows`): with ``tp = 1`` nano-batch 0's ``T/2`` rows, then nano-batch
+    1's. With tensor parallelism (``tp`` ranks, torchtitan's sequence-parallel plan hands TP rank
+    ``t`` rows ``[t T/tp, (t+1) T/tp)`` of the ``[1, T]`` row) the rows are TP-major,
+    ``[n0 chunk 0, n1 chunk 0, n0 chunk 1, n1 chunk 1, ...]`` with chunks of ``T / (2 tp)``: TP
+    rank ``t`` holds ``[n0 chunk t | n1 chunk t]``, so the all-gather of its first (second) half
+    over the TP group is nano-batch 0 (1) in stream order, the rows its plan describes.
     """
     T = tokens_per_rank
     R = window.tokens.numel() // T
@@ -758,6 +798,7 @@ def nano_rank_batch(window: GroupWindow, ca_rank: int, tokens_per_rank: int) -> 
     lays = split_nano_batches(Layout(tuple(window.cu_seqlens.tolist()), R, T), "stream")
     half = T // 2
     rows = torch.cat([torch.arange(n * R * half + ca_rank * half, n * R * half + (ca_rank + 1) * half) for n in (0, 1)])
+    rows = rows[tp_major_rows(T, tp)]  # [T]: a re-index only
     input_dict = {
         "input": window.tokens[rows].unsqueeze(0),  # [1, T]
         "positions": window.positions[rows].unsqueeze(0),  # [1, T]
@@ -794,6 +835,7 @@ def build_ca_dataloader(
     placement: str = "none",
     cost_model: "CostModel | str | None" = None,
     shape: "ModelShape | str | None" = None,
+    tp: int = 1,
 ):
     """torchtitan ``ParallelAwareDataloader`` over a ``CAPackedDataset`` for this rank.
 
@@ -824,6 +866,8 @@ def build_ca_dataloader(
             Only for core attention: it moves documents across ranks.
         cost_model, shape: the planner's time model for ``"balance"`` (``CAPlanner.cost_model``
             and ``.shape``; default ``"cpu"`` and ``"llama3-8b"``).
+        tp: ``parallelism.tensor_parallel_degree``; with two nano-batches the rows are laid out
+            TP-major (:func:`nano_rank_batch`), and ``seq_len`` must be divisible by ``2 * tp``.
     """
     # torchtitan's loader class is imported here, not at module level: see load_tokenizer.
     from torchtitan.components.dataloader import ParallelAwareDataloader
@@ -875,11 +919,13 @@ def build_ca_dataloader(
     ds = CAPackedDataset(
         stream, group=group, ca_rank=ca_rank, ca_degree=ca_degree, seq_len=seq_len, seed=seed,
         nano_batches=nano_batches, microbatches=microbatches, placement=placement, cost_model=cost_model, shape=shape,
+        tp=tp,
     )  # fmt: skip
     logger.info(
-        "CA loader: dataset=%s group=%d/%d ca_rank=%d/%d seq_len=%d nano_batches=%d microbatches=%d seed=%d placement=%s",
+        "CA loader: dataset=%s group=%d/%d ca_rank=%d/%d seq_len=%d nano_batches=%d microbatches=%d seed=%d placement=%s%s",
         name, group, num_groups, ca_rank, ca_degree, seq_len, nano_batches, microbatches, seed, placement,
-    )
+        f" rows TP-major for tp={tp}" if nano_batches == 2 and tp > 1 else "",
+    )  # fmt: skip
     # batch_size=None: items are already [1, T]; cu_seqlens differs in length per step.
     loader_kwargs["batch_size"] = None
     return ParallelAwareDataloader(ds, dp_rank=dp_rank, dp_world_size=dp_world, **loader_kwargs)

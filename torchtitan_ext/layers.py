@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torchtitan.models.llama3.model.model import apply_rotary_emb
 
 import distca
@@ -132,8 +133,22 @@ def _attention_forward(attn, x, freqs_cis, attention_masks, positions=None):
 
 
 def _pre_attention(block: nn.Module, x: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor):
-    """llama3 ``TransformerBlock`` up to core attention: x (1, t, dim) -> q [t, Hq, D], k, v [t, Hkv, D]."""
-    return _qkv(block.attention, block.attention_norm(x), freqs_cis, positions)
+    """llama3 ``TransformerBlock`` up to core attention: x (1, t, dim) -> q [t, Hq, D], k, v [t, Hkv, D].
+
+    With torchtitan's tensor parallelism x is this TP rank's sequence shard (1, t / tp, dim) and
+    ``attention_norm`` returns it as a DTensor Shard(1); this all-gathers it to Replicate, what the
+    input hook torchtitan puts on ``block.attention`` (PrepareModuleInput) does and what calling
+    ``wq``/``wk``/``wv`` directly would skip. q, k, v are then this rank's Hq / tp, Hkv / tp heads.
+    """
+    h = block.attention_norm(x)
+    if isinstance(h, DTensor):
+        if tuple(h.placements) != (Shard(1),):
+            raise RuntimeError(
+                f"the nano-batch schedule expects torchtitan's sequence-parallel attention_norm output "
+                f"(placements (Shard(1),)), got {tuple(h.placements)}"
+            )
+        h = h.redistribute(placements=(Replicate(),))  # [1, t, dim] gathered over the TP group, TP-rank order
+    return _qkv(block.attention, h, freqs_cis, positions)
 
 
 def _post_attention(block: nn.Module, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
@@ -144,7 +159,16 @@ def _post_attention(block: nn.Module, x: torch.Tensor, o: torch.Tensor) -> torch
 
 @torch._dynamo.disable  # a Python schedule: torchtitan's per-block compile skips it; pre/post compile
 def _nano_block_forward(block, x, freqs_cis, attention_masks=None, positions=None):
-    """``TransformerBlock.forward`` over two nano-batches (rows [0, T/2) and [T/2, T) of x).
+    """``TransformerBlock.forward`` over two nano-batches: x's first and second half of rows.
+
+    Without tensor parallelism x is [1, T, dim], nano-batch i its rows [i T/2, (i+1) T/2), and
+    ``positions`` [1, T] are split likewise. With TP (``block._ca_tp`` = tp > 1, set by the
+    converter) x is this TP rank's sequence shard [1, T/tp, dim], which the loader laid out as
+    [nano 0 chunk | nano 1 chunk] (TP-major rows, ``torchtitan_ext.data.nano_rank_batch``): each half's
+    all-gather in :func:`_pre_attention` is then exactly nano-batch i's T/2 rows in stream order, the
+    rows its plan describes, and ``wo``/``w2``'s reduce-scatter hands back this rank's chunk. The
+    ``positions`` [1, T] (replicated, TP-major) are cut into each nano-batch's in stream order. So
+    each nano-batch's TP collectives run in its own compute phases, between the exchanges.
 
     With ``pingpong`` each all-to-all of one nano-batch is in flight while the other
     computes (the paper's tick table, kept inside one block so FSDP2's per-block
@@ -159,8 +183,16 @@ def _nano_block_forward(block, x, freqs_cis, attention_masks=None, positions=Non
     step: StepPlan = attention_masks
     if positions is None:
         raise ValueError("nano-batches need in-document positions (the torchtitan_ext data loader yields them)")
+    tp = getattr(block, "_ca_tp", 1)
+    if positions.shape[1] != tp * x.shape[1] or x.shape[1] % 2:
+        raise RuntimeError(
+            f"nano-batches with tensor_parallel_degree={tp}: expected this rank's shard x of an even number of rows and "
+            f"positions of tp * those rows, got x {tuple(x.shape)} and positions {tuple(positions.shape)}"
+        )
     t = x.shape[1] // 2
-    xs, ps = x.split(t, dim=1), positions.split(t, dim=1)
+    xs = x.split(t, dim=1)  # 2 x [1, T/(2 tp), dim]
+    # [1, T] TP-major -> [1, tp, 2, T/(2 tp)] -> per nano-batch [1, T/2] in stream order
+    ps = [p.reshape(1, -1) for p in positions.reshape(1, tp, 2, t).unbind(2)]
     pre, post = block._ca_pieces
     if isinstance(step, StepPlan) and not step.plans:  # StepPlan.shapes_only(): torch pipelining's shape inference
         return torch.cat([post(block, xs[i], pre(block, xs[i], freqs_cis, ps[i])[0] * 0.0) for i in (0, 1)], dim=1)

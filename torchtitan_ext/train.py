@@ -78,7 +78,7 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **
     return data.build_ca_dataloader(
         job_config, tokenizer, dp_rank, dp_world_size, dp_rank % degree, degree, job_config.training.seq_len,
         seed=seed, nano_batches=n_nano, microbatches=micro, placement=cfg.placement if placed else "none",
-        cost_model=cost_model, shape=shape,
+        cost_model=cost_model, shape=shape, tp=job_config.parallelism.tensor_parallel_degree,
     )  # fmt: skip
 
 

@@ -77,6 +77,7 @@ class CAValidator(Validator):
         self.validation_dataloader = data.build_ca_dataloader(
             job_config, tokenizer, dp_rank, dp_world_size, dp_rank % degree, degree, val.seq_len,
             seed=seed, nano_batches=n_nano, section="validation", microbatches=val.local_batch_size if pp else 1,
+            tp=job_config.parallelism.tensor_parallel_degree,  # the model's row order (data.nano_rank_batch)
         )  # fmt: skip
         self.validation_context = validation_context
         self.maybe_enable_amp = maybe_enable_amp

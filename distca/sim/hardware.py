@@ -443,12 +443,20 @@ def fit_tokens(arch: Arch, dp: int, pp: int = 1, in_flight: int = 1, recompute: 
     return (hbm - m0["memory_gib"] * gib) / ((m1["memory_gib"] - m0["memory_gib"]) * gib)
 
 
-def linear_fwd_s(arch: Arch, tokens: int, hw: Hardware, tp: int = TP) -> float:
-    """Forward seconds of one layer's linear part for ``tokens`` tokens on one TP group (backward: 2x)."""
+def linear_fwd_s(arch: Arch, tokens: int, hw: Hardware, tp: int = TP, nano_batches: int = 1) -> float:
+    """Forward seconds of one layer's linear part for ``tokens`` tokens on one TP group (backward: 2x).
+
+    ``nano_batches``: the tokens run as that many equal nano-batches (ping-pong), each with its own
+    :data:`TP_COLLECTIVES_PER_LAYER` TP collectives on its rows (the paper's, and
+    ``torchtitan_ext``'s, per-nano-batch all-gathers and reduce-scatters): the same bytes in
+    ``nano_batches`` times as many calls. Each extra call pays NCCL's launch latency
+    (``a2a_base_latency_s``); one call per collective is inside the assumed MFU."""
     lin_f = tokens * arch.layer_flops_per_token / (tp * hw.peak_flops * hw.linear_mfu)
     # TP collectives move (TP-1)/TP of the gathered activations per GPU; assumed overlapped with
     # the GEMMs (TransformerEngine tp-comm-overlap), so they cost time only when longer.
     tp_f = TP_COLLECTIVES_PER_LAYER * (tp - 1) / tp * tokens * arch.hidden * 2 / hw.nvlink_bytes_per_s
+    if tp > 1 and nano_batches > 1:
+        tp_f += TP_COLLECTIVES_PER_LAYER * (nano_batches - 1) * hw.latency_scale * hw.a2a_base_latency_s
     return max(lin_f, tp_f)
 
 

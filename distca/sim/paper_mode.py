@@ -375,7 +375,7 @@ def simulate_paper_pp_config(arch: Arch, workload: Workload, gpus: int, ctx: int
     shape = arch.shape
     cm = load_cost_model(hw.cost_model).for_shape(shape)
     bf = cm.bwd_factor
-    lin_f, head_f, p2p = linear_fwd_s(arch, ctx, hw, tp), head_fwd_s(arch, ctx, hw, tp), p2p_s(arch, ctx, hw, tp)
+    head_f, p2p = head_fwd_s(arch, ctx, hw, tp), p2p_s(arch, ctx, hw, tp)
     subticks = pp_subticks("1f1b", pp, mb)
     per_stage = {"tick": in_flight_per_stage("1f1b", pp, mb), "graph": in_flight_per_stage("1f1b", pp, mb, cad=False)}
     flight = {k: max(v) for k, v in per_stage.items()}
@@ -461,7 +461,8 @@ def simulate_paper_pp_config(arch: Arch, workload: Workload, gpus: int, ctx: int
                 subs, imb, ms = plan_subticks(
                     subticks, mbs, nanos if ppg else None, DP, ctx, "distca", opts.tolerance, shape, hw.cost_model, hw, tp
                 )  # fmt: skip
-                st = pp_subtick_step(subs, pp, layers, lin_f, head_f, bf, ppg, p2p, pp_p2p_transfers("1f1b", pp, mb),
+                lin = linear_fwd_s(arch, ctx, hw, tp, 2 if ppg else 1)  # TP collectives per nano-batch
+                st = pp_subtick_step(subs, pp, layers, lin, head_f, bf, ppg, p2p, pp_p2p_transfers("1f1b", pp, mb),
                                      hw.op_overhead(ppg), mode["tick"])  # fmt: skip
                 acc[ppg].append((st, ms / len(imb)))
         for ppg, items in acc.items():

@@ -466,11 +466,13 @@ def simulate_pp_config(arch: Arch, workload: Workload, gpus: int, ctx: int, pp: 
     def graph(costs, groups, imb, ms, extra=None, op=False, lin=lin_f, head=head_f, share=None):
         for ppg in (False, True):
             ovh = hw.op_overhead(ppg) if op else (0.0, 0.0)
-            lin_m = np.broadcast_to(lin, (mb, DP))
+            # On distca's op, ping-pong runs each nano-batch's TP collectives on its own rows.
+            lin_p = linear_fwd_s(arch, ctx, hw, tp, 2) if op and ppg else lin
+            lin_m = np.broadcast_to(lin_p, (mb, DP))
             fb = [_layer_phases(c, lin_m[m], bf, ppg, ovh) for m, c in enumerate(costs)]
             st = pp_graph_step(
                 np.stack([x[0] for x in fb]), np.stack([x[1] for x in fb]), np.stack([c.attn_fwd for c in costs]),
-                groups, pp, layers, lin, head, bf, p2p, mode["graph"] if share is None else share, sched,
+                groups, pp, layers, lin_p, head, bf, p2p, mode["graph"] if share is None else share, sched,
             )  # fmt: skip
             yield ppg, (st, imb, ms, extra)
 
@@ -531,7 +533,8 @@ def simulate_pp_config(arch: Arch, workload: Workload, gpus: int, ctx: int, pp: 
                     ticks.append((rank_costs(p.loads, p.traffic, shape, np.zeros(R, dtype=np.int64), hw, tp), active))
                     imb.append(p.imbalance)
                 for ppg in (False, True):
-                    st = pp_tick_step(ticks, pp, layers, lin_f, head_f, bf, ppg, p2p, hw.op_overhead(ppg), mode["tick"])
+                    lin = linear_fwd_s(arch, ctx, hw, tp, 2 if ppg else 1)  # TP collectives per nano-batch
+                    st = pp_tick_step(ticks, pp, layers, lin, head_f, bf, ppg, p2p, hw.op_overhead(ppg), mode["tick"])
                     acc.setdefault((policy, ppg), []).append((st, float(np.mean(imb)), ms / n_ticks, None))
             else:
                 # Tick-synchronous 1F1B: every forward and backward sub-tick planned on its own; with
@@ -543,7 +546,8 @@ def simulate_pp_config(arch: Arch, workload: Workload, gpus: int, ctx: int, pp: 
                         subticks, mbs, nanos if ppg else None, DP, ctx, PLACED.get(policy, policy), opts.tolerance,
                         shape, pcm, hw, tp,
                     )  # fmt: skip
-                    st = pp_subtick_step(subs, pp, layers, lin_f, head_f, bf, ppg, p2p, pp_p2p_transfers(sched, pp, mb),
+                    lin = linear_fwd_s(arch, ctx, hw, tp, 2 if ppg else 1)  # TP collectives per nano-batch
+                    st = pp_subtick_step(subs, pp, layers, lin, head_f, bf, ppg, p2p, pp_p2p_transfers(sched, pp, mb),
                                          hw.op_overhead(ppg), mode["tick"])  # fmt: skip
                     acc.setdefault((policy, ppg), []).append((st, float(np.mean(imb)), ms / len(imb), None))
     settings = {**opts.settings(hw), "pp_schedule": sched}
