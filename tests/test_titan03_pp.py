@@ -160,10 +160,10 @@ def test_pp2_tick1f1b_equals_gradient_accumulation_without_pp(pp2, accum4):
 
 @pytest.fixture(scope="module")
 def pp2_pingpong(tmp_path_factory, seed_ckpt):
-    """``pp2`` with ping-pong (no validation, no checkpoints): each micro-batch's two nano-batches
-    planned per sub-tick, forward and backward sub-ticks separately; both ranks' logs."""
+    """``pp2`` with ping-pong (no checkpoints): each micro-batch's two nano-batches planned per
+    sub-tick, forward and backward sub-ticks separately; validation as ``pp2``'s; both ranks' logs."""
     return _from_seed(2, tmp_path_factory.mktemp("pp2_pingpong"), seed_ckpt, *_PP2, "--training.local_batch_size", "4",
-                      "--core_attention.pingpong", ranks="0,1")  # fmt: skip
+                      "--core_attention.pingpong", *_VALIDATION, ranks="0,1")  # fmt: skip
 
 
 @pytest.mark.slow
@@ -171,7 +171,8 @@ def test_pp2_tick1f1b_pingpong_equals_gradient_accumulation_without_pp(pp2_pingp
     """Ping-pong inside the ticks (two nano-batches per micro-batch, each with its own forward and
     backward sub-tick plans, idle stages replaying the active ones' interleaved order) trains as
     the model without PP and without nano-batches: the same losses and grad norms (rel 1e-5) over
-    6 steps, work moving in every step, Tick1F1B's in-flight bound kept."""
+    6 steps, work moving in every step, Tick1F1B's in-flight bound kept; validation (forward
+    sub-ticks, nano-batches too) gives the model's validation losses on the same windows."""
     log, tb = pp2_pingpong[0], pp2_pingpong[1]
     assert "2 nano-batches, ping-pong" in log and "2 nano-batch(es)" in log, log[-4000:]
     assert "CA group of 2 ranks across the 2 stages" in log
@@ -183,6 +184,9 @@ def test_pp2_tick1f1b_pingpong_equals_gradient_accumulation_without_pp(pp2_pingp
         got, want = _series(pp2_pingpong, tag), _series(accum4, tag)
         assert len(got) == len(want) == _STEPS, (tag, got, want)
         assert got == pytest.approx(want, rel=1e-5), (tag, got, want)
+    got, want = tb[_VAL], accum4[1][_VAL]
+    assert sorted(got) == sorted(want) == [1, 3, 6], (got, want)
+    assert [got[s] for s in (1, 3, 6)] == pytest.approx([want[s] for s in (1, 3, 6)], rel=1e-5)
 
 
 @pytest.mark.slow
