@@ -7,10 +7,10 @@ documents, a new layout every micro-batch), as the 0.2.2 suite proves them:
   losses (model, optimizer, lr, step and the CA loader's stream position all restored);
 - torchtitan 0.3's validator on the CA loader: the same validation losses with CAD moving work
   (policy distca) as with every rank serving its own queries (colocated);
-- pp 2 with Tick1F1B (one CA group across both stages, idle stages serving) trains as the same
-  model without pipelining, on 1 process, with gradient accumulation over the same micro-batches
-  (both from one seed checkpoint: FSDP-sharded, unsharded and per-stage initialisation draw
-  different numbers).
+- pp 2 with Tick1F1B (one CA group across both stages, idle stages serving), with and without
+  ping-pong, trains as the same model without pipelining, on 1 process, with gradient
+  accumulation over the same micro-batches (all from one seed checkpoint: FSDP-sharded,
+  unsharded and per-stage initialisation draw different numbers).
 """
 
 from __future__ import annotations
@@ -158,6 +158,37 @@ def test_pp2_tick1f1b_equals_gradient_accumulation_without_pp(pp2, accum4):
         assert got == pytest.approx(want, rel=1e-5), (tag, got, want)
 
 
+@pytest.fixture(scope="module")
+def pp2_pingpong(tmp_path_factory, seed_ckpt):
+    """``pp2`` with ping-pong (no checkpoints): each micro-batch's two nano-batches planned per
+    sub-tick, forward and backward sub-ticks separately; validation as ``pp2``'s; both ranks' logs."""
+    return _from_seed(2, tmp_path_factory.mktemp("pp2_pingpong"), seed_ckpt, *_PP2, "--training.local_batch_size", "4",
+                      "--core_attention.pingpong", *_VALIDATION, ranks="0,1")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_pp2_tick1f1b_pingpong_equals_gradient_accumulation_without_pp(pp2_pingpong, accum4):
+    """Ping-pong inside the ticks (two nano-batches per micro-batch, each with its own forward and
+    backward sub-tick plans, idle stages replaying the active ones' interleaved order) trains as
+    the model without PP and without nano-batches: the same losses and grad norms (rel 1e-5) over
+    6 steps, work moving in every step, Tick1F1B's in-flight bound kept; validation (forward
+    sub-ticks, nano-batches too) gives the model's validation losses on the same windows."""
+    log, tb = pp2_pingpong[0], pp2_pingpong[1]
+    assert "2 nano-batches, ping-pong" in log and "2 nano-batch(es)" in log, log[-4000:]
+    assert "CA group of 2 ranks across the 2 stages" in log
+    held = {int(s): {int(n) for n in re.findall(rf"stage {s} held (\d+) of 4 micro-batches", log)} for s in "01"}
+    assert held == {0: {3}, 1: {1}}, held
+    assert min(tb["ca/fwd_MiB_per_layer"].values()) > 0
+    assert all(tb["ca/imbalance"][s] < tb["ca/imbalance_colocated"][s] for s in tb["ca/imbalance"])
+    for tag in (_LOSS, "grad_norm"):
+        got, want = _series(pp2_pingpong, tag), _series(accum4, tag)
+        assert len(got) == len(want) == _STEPS, (tag, got, want)
+        assert got == pytest.approx(want, rel=1e-5), (tag, got, want)
+    got, want = tb[_VAL], accum4[1][_VAL]
+    assert sorted(got) == sorted(want) == [1, 3, 6], (got, want)
+    assert [got[s] for s in (1, 3, 6)] == pytest.approx([want[s] for s in (1, 3, 6)], rel=1e-5)
+
+
 @pytest.mark.slow
 def test_per_stage_groups_with_torchs_1f1b_equal_gradient_accumulation(tmp_path, seed_ckpt, accum4):
     """The other pipeline path: torch's own 1F1B schedule, a CA group per stage (of 1 here,
@@ -215,9 +246,6 @@ def _parse_error(capsys, monkeypatch, *args: str) -> str:
 @pytest.mark.parametrize(
     "args, match",
     [
-        ([*_PP2, "--core_attention.pingpong"],
-         r"--parallelism\.pipeline_parallel_degree=2 with --core_attention\.nano_batches=2 \(resolved from "
-         r"--core_attention\.pingpong=true\) is not supported by the torchtitan 0\.3 adapter yet"),
         ([*_PP2, "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_microbatch_size", "2"],
          r"--parallelism\.pipeline_parallel_microbatch_size=2 must be 1 with core_attention\.enable=true"),
         (["--validator.enable", "--validator.steps", "-1"],

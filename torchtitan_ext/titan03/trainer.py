@@ -86,10 +86,6 @@ def _check(config: "CoreAttentionTrainer.Config", dp_size: int | None) -> int:
     # (what the command line set, whether it is unsupported here, what to set instead)
     pp = p.pipeline_parallel_degree
     unsupported = (
-        # Pipeline parallelism (titan03/pipeline.py) runs one nano-batch per micro-batch.
-        (f"--parallelism.pipeline_parallel_degree={pp} with --core_attention.nano_batches={n_nano} (resolved from "
-         f"--core_attention.pingpong={str(cfg.pingpong).lower()})", pp > 1 and n_nano > 1,
-         "--core_attention.nano_batches 1 and --core_attention.no-pingpong, or --parallelism.pipeline_parallel_degree 1"),
         # The nano-batch block calls the attention's submodules itself, past GQAttention's TP input
         # redistribution (the 0.2.2 rule, kept here should the 0.2.2 adapter lift it).
         (f"--parallelism.tensor_parallel_degree={p.tensor_parallel_degree} with --core_attention.nano_batches="
