@@ -35,6 +35,13 @@ _COMMON = (
     "--core_attention.cost_model", "h200",
 )  # fmt: skip
 _REFERENCE = ROOT / "tests" / "titan03_reference_train.py"
+_VALIDATION = (
+    "--validator.enable", "--validator.freq", "3", "--validator.steps", "2",
+    "--validator.dataloader.dataset", "synthetic_pretrain",
+)  # fmt: skip
+"""torchtitan's validator at steps 1, 3 and 6, 2 batches each (the registry's seed: 43)."""
+_TP2 = ("--parallelism.tensor_parallel_degree", "2", *_VALIDATION)
+"""dp_shard 2 x tp 2 on 4 processes, validating (the TP runs' flags: one run, shared by name)."""
 
 
 def _torchrun(nproc: int, folder: Path, *args: str, launcher: Path | None = None, timeout: float = 400):
@@ -151,7 +158,7 @@ def test_tensor_parallel_matches_data_parallel(run):
     (rel 1e-5) and grad norms (rel 5e-5) as the 2-process run without TP, the same plan, half its
     bytes. (0.2.2: a CA group wrongly taken as the two TP peers of one batch rank moves the losses
     by 1e-6..1.4e-4 and the grad norms by 1e-5..7e-4.)"""
-    tp = run("tp", 4, "--parallelism.tensor_parallel_degree", "2", batch_ranks=2)
+    tp = run("tp", 4, *_TP2, batch_ranks=2)
     dp = _distca(run)
     log = tp[0]
     assert "CA group of 2 ranks, 8 query / 8 KV heads per rank (TP 2)" in log, log[-4000:]
@@ -179,13 +186,17 @@ def test_pingpong_with_tensor_parallel_matches_the_tp_run(run):
     fp32), grad norms within 1.1e-7. Deliberately broken, on the same seed checkpoint: rows not
     TP-major (loader tp 1) miss by 1.6e-4 (losses) and 1.6e-3 (grad norms); positions not cut per
     TP shard (``nano_positions(positions, 1)``) by 6.6e-6 and 1.9e-6."""
-    pp = run("tp_pingpong", 4, "--parallelism.tensor_parallel_degree", "2", "--core_attention.pingpong", batch_ranks=2)
-    tp = run("tp", 4, "--parallelism.tensor_parallel_degree", "2", batch_ranks=2)
+    pp = run("tp_pingpong", 4, *_TP2, "--core_attention.pingpong", batch_ranks=2)
+    tp = run("tp", 4, *_TP2, batch_ranks=2)
     log = pp[0]
     assert "TP 2, 2 nano-batches, ping-pong" in log and "rows TP-major for tp=2" in log, log[-4000:]
     assert "CA group of 2 ranks, 8 query / 8 KV heads per rank (TP 2), 2 nano-batch(es)" in log, log[-4000:]
     for tag, rel in (("loss_metrics/global_avg_loss", 2e-6), ("grad_norm", 5e-7)):
         assert len(_series(pp, tag)) == _STEPS and _series(pp, tag) == pytest.approx(_series(tp, tag), rel=rel), tag
+    # Validation (its loader TP-major too, the trainer sets both) at steps 1, 3 and 6: the same losses.
+    val = "validation_metrics/loss"
+    assert sorted(pp[1][val]) == sorted(tp[1][val]) == [1, 3, 6], (pp[1][val], tp[1][val])
+    assert _series(pp, val) == pytest.approx(_series(tp, val), rel=2e-6)
     # Rows moved between the CA ranks in some step (the interleaved schedule had exchanges to hide).
     assert any(v > 0 for v in pp[1]["ca/fwd_MiB_per_layer"].values())
     assert sorted(pp[1]["ca/exposed_comm_s"]) == list(range(1, _STEPS + 1))
