@@ -409,10 +409,9 @@ def test_8b_4d_registry_config_parses_as_the_toml(_cpu_patches):
 @pytest.mark.parametrize(
     "args, match",
     [
-        (("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Tick1F1B"),
+        (("--compile.enable",),
          r"tensor_parallel_degree=2 with --core_attention.nano_batches=2 \(resolved from --core_attention.pingpong=true\) "
-         r"and --parallelism.pipeline_parallel_degree=2 is not supported"),
-        (("--compile.enable",), r"nano_batches=2 .* and --compile.enable is not supported .* use --compile.no-enable"),
+         r"and --compile.enable is not supported by the torchtitan 0.3 adapter yet .* use --compile.no-enable"),
         (("--parallelism.spmd_backend", "full_dtensor"),
          r"and --parallelism.spmd_backend=full_dtensor is not supported .* use --parallelism.spmd_backend partial_dtensor"),
         (("--parallelism.no-enable_sequence_parallel",),
@@ -421,20 +420,20 @@ def test_8b_4d_registry_config_parses_as_the_toml(_cpu_patches):
          r"tensor_parallel_degree=2 needs training.seq_len divisible by nano_batches \* tensor_parallel_degree = 4, "
          r"got seq_len=1022"),
     ],
-    ids=["pp", "compile", "spmd_backend", "no_sequence_parallel", "seq_len"],
+    ids=["compile", "spmd_backend", "no_sequence_parallel", "seq_len"],
 )  # fmt: skip
 def test_what_tensor_parallel_with_pingpong_does_not_run_stops_at_start_up(_cpu_patches, args, match, capsys, monkeypatch):
-    """TP + ping-pong runs (test above); what it is not tested with stops at parse time, on every
-    rank, naming the flags and what to set instead: pipeline parallelism, torch.compile, another
-    SPMD backend than the registry's partial_dtensor, sequence parallelism off, and a seq_len the
-    TP-major rows cannot split (not a multiple of 2 * tp). The same flags without ping-pong parse."""
+    """TP + ping-pong runs (tests above; with PP: tests/test_titan03_pp.py); what it is not tested
+    with stops at parse time, on every rank, naming the flags and what to set instead:
+    torch.compile, another SPMD backend than the registry's partial_dtensor, sequence parallelism
+    off, and a seq_len the TP-major rows cannot split (not a multiple of 2 * tp). The same flags
+    without ping-pong parse."""
     monkeypatch.setenv("COLUMNS", "1000")
     with pytest.raises(SystemExit):
         _parse("--parallelism.tensor_parallel_degree", "2", "--core_attention.pingpong", *args)
     err = " ".join(capsys.readouterr().err.replace("│", " ").split())
     assert re.search(match, err), err
-    if args[0] != "--parallelism.pipeline_parallel_degree":  # (PP without ping-pong has rules of its own)
-        _parse("--parallelism.tensor_parallel_degree", "2", *args)
+    _parse("--parallelism.tensor_parallel_degree", "2", *args)
     _parse("--parallelism.tensor_parallel_degree", "2", "--core_attention.pingpong")  # the tested combination
 
 

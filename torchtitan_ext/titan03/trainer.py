@@ -96,10 +96,8 @@ def _check(config: "CoreAttentionTrainer.Config", dp_size: int | None) -> int:
     on_022 = "(the 0.2.2 adapter, torchtitan_ext.train, supports it)"
     unsupported = (
         # What the nano-batch block with TP (CANanoBlock: the attention's declared redistributions run
-        # by the pieces, TP-major rows) is tested with: partial_dtensor, sequence parallel, eager,
-        # without pipeline parallelism. The rest stays refused until tested.
-        (f"{nano_tp} and --parallelism.pipeline_parallel_degree={pp}", tp > 1 and n_nano > 1 and pp > 1,
-         f"{no_nano}, or --parallelism.tensor_parallel_degree 1, or --parallelism.pipeline_parallel_degree 1", on_022),
+        # by the pieces, TP-major rows) is tested with: partial_dtensor, sequence parallel, eager
+        # (with and without PP). The rest stays refused until tested.
         (f"{nano_tp} and --parallelism.spmd_backend={p.spmd_backend}",
          tp > 1 and n_nano > 1 and p.spmd_backend != "partial_dtensor",
          f"--parallelism.spmd_backend partial_dtensor (the registry configs' backend), or {no_nano}", untested),
