@@ -98,9 +98,9 @@ def _parse_error(capsys, monkeypatch, *args: str) -> str:
         (["--training.no-disable_cuda_graphs"], r"core_attention\.enable=true needs --training\.disable_cuda_graphs"),
         (["--parallelism.pipeline_parallel_degree", "2"],  # the 0.2.2 rule first, as in the 0.2.2 adapter
          r"core_attention\.across_stages=true \(one CA group over the 2 pipeline stages\) needs"),
-        (["--parallelism.tensor_parallel_degree", "2", "--core_attention.pingpong"],  # the 0.2.2 rule
-         r"core_attention\.nano_batches=-1 \(pingpong=true, resolved to 2 nano-batches\) cannot be combined with "
-         r"parallelism\.tensor_parallel_degree=2"),
+        (["--parallelism.tensor_parallel_degree", "2", "--core_attention.pingpong"],  # this adapter's (0.2.2 runs it)
+         r"--parallelism\.tensor_parallel_degree=2 with --core_attention\.nano_batches=2 \(resolved from "
+         r"--core_attention\.pingpong=true\) is not supported by the torchtitan 0\.3 adapter yet"),
         (["--core_attention.mode", "keep", "--core_attention.no-across_stages", "activation-checkpoint:selective"],
          r'core_attention\.mode="keep" cannot be combined with activation_checkpoint=selective'),
         (["activation-checkpoint:full"],
