@@ -210,6 +210,9 @@ class Exchange:
         if msg.work is not None:
             with record_function("distca::wait"):
                 self.stats.time_wait(msg.work, msg.buf.device)
+            # Drop the handle once waited: the exchange lives as long as the autograd graph (e.g. a
+            # script's last output), and a gloo work still alive at interpreter exit can abort it.
+            msg.work = None
         return msg.buf
 
     def _parts(self, msg: _Message, rows: torch.Tensor | None) -> list[torch.Tensor]:

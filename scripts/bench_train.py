@@ -29,9 +29,15 @@ every configuration computes the same attention as without nano-batches:
               carried to the next row; a new draw per batch
     uniform   512-token documents everywhere
 
-Per step and rank it records the step time (the trainer's), time in the attention
-kernels, host time blocked on CA exchanges (``DispatchPlan.stats``), and
-peak memory (``VmHWM`` reset before every step). The first cycle measures memory, with
+Per step and rank it records the step time (the trainer's) and where it went: time in the
+attention kernels, host time blocked on CA exchanges (``DispatchPlan.stats``), exposed planning
+(waiting for the planning thread and binding), time in every other collective (FSDP2's
+all-gathers and reduce-scatters, loss and norm all-reduces, the once-per-step agreement; the
+call or its ``Work.wait()``), and the rest (linear layers, norms, optimizer, loader); and
+peak memory (``VmHWM`` reset before every step). The summary gives each part per rank as
+min / median / max over the timed repeats, and the share of the zero-overhead bound's gain the
+CAD configuration captured. ``--titan 0.3`` runs the same cycle on torchtitan 0.3's trainer
+(``torchtitan_ext.titan03``, the ``.venv-titan03`` lane), debug model only. The first cycle measures memory, with
 glibc's mmap threshold pinned from the start so freed tensors leave the resident set; the
 second is warm-up with a large threshold (timed cycles pay no page-fault tax); each of the
 next ``--repeats`` cycles is one timed repeat (configurations rotated per cycle). ``speedup`` = tokens/s of
@@ -40,6 +46,7 @@ next ``--repeats`` cycles is one timed repeat (configurations rotated per cycle)
     python scripts/bench_train.py                    # table + PNGs, ~15-20 min on 2 cores
     python scripts/bench_train.py --json             # one JSON object per line per (model, workload)
     python scripts/bench_train.py --workloads skewed --models debug --repeats 2
+    python scripts/bench_train.py --titan 0.3 --models debug --workloads skewed   # torchtitan 0.3
 """
 
 from __future__ import annotations
@@ -196,49 +203,68 @@ def _malloc_mode(mode: str) -> None:
     libc.mallopt(M_TRIM_THRESHOLD, trim)
 
 
-def _worker(args: argparse.Namespace) -> None:
-    from torchtitan_ext import _compat
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+    "reduce_scatter_single", "reduce_scatter", "broadcast", "barrier", "all_gather_object", "broadcast_object_list",
+    "gather", "scatter",
+)  # fmt: skip
+"""``torch.distributed`` collectives timed as "collectives" (every one but the CA exchange's
+``all_to_all_single``; functional collectives, e.g. DTensor's, run inside the rest)."""
 
-    _compat.apply()
-    import dataclasses
 
-    import torch
-    from torch.utils.data import IterableDataset
-    from torchtitan.components.dataloader import ParallelAwareDataloader
-    from torchtitan.models.llama3 import TransformerModelArgs
-    from torchtitan.protocols import train_spec as ts
-    from torchtitan.train import main
+def _time_collectives(clock: dict[str, float]) -> None:
+    """Add to ``clock["collective"]`` the host seconds spent in collectives other than the CA
+    exchange: a blocking call's duration, an async one's ``Work.wait()`` (FSDP2's all-gathers and
+    reduce-scatters). A call nested in another (``all_gather_object`` runs ``all_gather``) counts
+    once; the exchange's all-to-all works are waited and timed by distca (exposed exchange)."""
+    import torch.distributed as dist
 
+    depth = [0]
+    ca_works: set[int] = set()  # id() of in-flight CA exchange works (alive until waited)
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            if depth[0]:
+                return fn(*a, **k)
+            depth[0] += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                depth[0] -= 1
+                clock["collective"] += time.perf_counter() - t0
+
+        return wrapper
+
+    for name in _COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, timed(getattr(dist, name)))
+    a2a = dist.all_to_all_single
+
+    def all_to_all_single(*a, **k):
+        work = a2a(*a, **k)
+        if work is not None:
+            ca_works.add(id(work))
+        return work
+
+    dist.all_to_all_single = all_to_all_single
+    work_cls = dist.distributed_c10d.Work
+    wait = work_cls.wait
+    timed_wait = timed(wait)
+
+    def wait_for(self, *a, **k):
+        if id(self) in ca_works:
+            ca_works.discard(id(self))
+            return wait(self, *a, **k)
+        return timed_wait(self, *a, **k)
+
+    work_cls.wait = wait_for
+
+
+def _time_kernels(clock: dict[str, float]) -> None:
+    """Add to ``clock["fwd"]`` / ``clock["bwd"]`` the seconds in the attention kernels (the servers'
+    work), without touching the library."""
     import distca.kernels as K
-    from torchtitan_ext import train as tt
-
-    configs = args.configs.split(",")
-    total_steps = args.steps
-    rank_env = int(os.environ["RANK"])
-
-    class Workload(IterableDataset):
-        """Step s trains batch (s-1) // len(configs), so every configuration sees the same batches."""
-
-        def __init__(self, rank, ranks, T, vocab, planner_model):
-            self.rank, self.ranks, self.T, self.vocab = rank, ranks, T, vocab
-            self.planner_model = planner_model
-
-        def __iter__(self):
-            step = 0
-            while True:
-                placed = CONFIGS[config_at(step, configs)].get("placement") == "balance"
-                yield rank_item(
-                    args.workload, self.ranks, self.T, self.rank, step // len(configs), args.seed, args.nano_batches,
-                    self.vocab, self.planner_model if placed else None,
-                )  # fmt: skip
-                step += 1
-
-    def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, **kw):
-        ds = Workload(dp_rank, dp_world_size, job_config.training.seq_len, VOCAB, tt._planner_model(job_config))
-        return ParallelAwareDataloader(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=None)
-
-    # Time the attention kernels (the servers' work) without touching the library.
-    kt = {"fwd": 0.0, "bwd": 0.0}
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -246,46 +272,69 @@ def _worker(args: argparse.Namespace) -> None:
             try:
                 return fn(*a, **k)
             finally:
-                kt[name] += time.perf_counter() - t0
+                clock[name] += time.perf_counter() - t0
 
         return wrapper
 
     K.varlen_attn_forward = timed("fwd", K.varlen_attn_forward)
     K.varlen_attn_backward = timed("bwd", K.varlen_attn_backward)
 
-    # "llama3_ca" as torchtitan_ext registers it, with the bench's loader and one more flavor.
-    spec = ts.get_train_spec("llama3")
-    flavors = dict(spec.model_args)
-    flavors["bench_wide"] = TransformerModelArgs(**MODELS["wide"]["dims"], vocab_size=VOCAB, rope_theta=500000)
-    spec = dataclasses.replace(
-        spec, model_args=flavors, build_dataloader_fn=build_dataloader, parallelize_fn=tt.parallelize
-    )
-    ts.register_train_spec(tt.TRAIN_SPEC, spec)
 
-    def rss(field: str) -> float:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field):
-                    return int(line.split()[1]) * 1024 / _MiB
-        return float("nan")
+def _workload_dataset(args: argparse.Namespace, configs: list[str]):
+    """The bench's iterable dataset: step s trains batch s // len(configs), so every configuration
+    sees the same batches (placed as the CA loader would for ``placement = "balance"``)."""
+    from torch.utils.data import IterableDataset
 
+    class Workload(IterableDataset):
+        def __init__(self, rank: int, ranks: int, T: int, planner_model):
+            self.rank, self.ranks, self.T, self.planner_model = rank, ranks, T, planner_model
+
+        def __iter__(self):
+            step = 0
+            while True:
+                placed = CONFIGS[config_at(step, configs)].get("placement") == "balance"
+                yield rank_item(
+                    args.workload, self.ranks, self.T, self.rank, step // len(configs), args.seed, args.nano_batches,
+                    VOCAB, self.planner_model if placed else None,
+                )  # fmt: skip
+                step += 1
+
+    return Workload
+
+
+def _rss(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024 / _MiB
+    return float("nan")
+
+
+def _bench_trainer(base: type, args: argparse.Namespace, configs: list[str], records) -> type:
+    """``base`` (either adapter's ``CoreAttentionTrainer``) that sets each step's configuration,
+    times it and writes ``rank<r>.json``; ``records(trainer)`` is its list of ``report.StepRecord``."""
+    import torch
+
+    rank_env = int(os.environ["RANK"])
+    clock = {"fwd": 0.0, "bwd": 0.0, "collective": 0.0}
+    _time_kernels(clock)
+    _time_collectives(clock)
     rows: list[dict] = []
 
-    class BenchTrainer(tt.CoreAttentionTrainer):
+    class BenchTrainer(base):
         def _configure(self) -> str:
             """Set this step's configuration before its batch is drawn (and planned)."""
             name = config_at(self.step - 1, configs)
             for k, v in CONFIGS[name].items():
-                if k != "placement":  # the bench's loader places (see Workload)
+                if k != "placement":  # the bench's loader places (see _workload_dataset)
                     setattr(self.ca.cfg, k, (args.nano_batches == 2) if v is None else v)
             return name
 
         def post_dataloading_process(self, input_dict, labels):
             out = super().post_dataloading_process(input_dict, labels)
-            name = self._config
             stats = self._step_plans[-1].stats  # the planner's own numbers, one per nano-batch
             self._bench = {
-                "config": name,
+                "config": self._config,
                 "loads": np.sum([s.loads for s in stats], axis=0).tolist(),
                 "loads_colocated": np.sum([s.colocated_loads for s in stats], axis=0).tolist(),
                 "fwd_bytes_per_layer": int(sum(s.fwd_bytes for s in stats)),
@@ -303,9 +352,10 @@ def _worker(args: argparse.Namespace) -> None:
             except OSError:
                 pass
             self._config = self._configure()
-            base = rss("VmRSS")
-            kt["fwd"] = kt["bwd"] = 0.0
-            profiled = bool(args.profile) and self.step > total_steps - len(configs)
+            base_rss = _rss("VmRSS")
+            for k in clock:
+                clock[k] = 0.0
+            profiled = bool(args.profile) and self.step > args.steps - len(configs)
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profiled else None
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
@@ -316,20 +366,111 @@ def _worker(args: argparse.Namespace) -> None:
             if prof is not None:  # an extra last cycle: the profiler's overhead stays out of the timings
                 table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
                 (Path(args.out) / f"profile_{self._bench['config']}_rank{rank_env}.txt").write_text(table)
+            rec = records(self)[-1]
             rows.append(
                 {
                     **self._bench, "step": self.step, "batch": (self.step - 1) // len(configs), "rank": rank_env,
-                    "profiled": profiled, "seconds": dt, "minor_faults": faults, "attn_fwd_s": kt["fwd"], "attn_bwd_s": kt["bwd"],
-                    "exposed_comm_s": self.run_stats.rows[-1].get("ca/exposed_comm_s", 0.0), "rss_base_MiB": base, "rss_peak_MiB": rss("VmHWM"),
+                    "profiled": profiled, "seconds": dt, "minor_faults": faults, "attn_fwd_s": clock["fwd"],
+                    "attn_bwd_s": clock["bwd"], "exposed_comm_s": rec.exposed_comm_s or 0.0,
+                    "exposed_plan_s": rec.exposed_plan_s, "collective_s": clock["collective"],
+                    "rss_base_MiB": base_rss, "rss_peak_MiB": _rss("VmHWM"),
                 }
             )  # fmt: skip
 
         def close(self):
-            out = Path(args.out) / f"rank{rank_env}.json"
-            out.write_text(json.dumps(rows))
+            (Path(args.out) / f"rank{rank_env}.json").write_text(json.dumps(rows))
             super().close()
 
-    main(BenchTrainer)
+    return BenchTrainer
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """torchtitan 0.2.2: the ``llama3_ca`` train spec with the bench's loader and one more flavor."""
+    from torchtitan_ext import _compat
+
+    _compat.apply()
+    import dataclasses
+
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.models.llama3 import TransformerModelArgs
+    from torchtitan.protocols import train_spec as ts
+    from torchtitan.train import main
+
+    from torchtitan_ext import train as tt
+
+    configs = args.configs.split(",")
+    Workload = _workload_dataset(args, configs)
+
+    def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, **kw):
+        ds = Workload(dp_rank, dp_world_size, job_config.training.seq_len, tt._planner_model(job_config))
+        return ParallelAwareDataloader(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=None)
+
+    spec = ts.get_train_spec("llama3")
+    flavors = dict(spec.model_args)
+    flavors["bench_wide"] = TransformerModelArgs(**MODELS["wide"]["dims"], vocab_size=VOCAB, rope_theta=500000)
+    spec = dataclasses.replace(
+        spec, model_args=flavors, build_dataloader_fn=build_dataloader, parallelize_fn=tt.parallelize
+    )
+    ts.register_train_spec(tt.TRAIN_SPEC, spec)
+    main(_bench_trainer(tt.CoreAttentionTrainer, args, configs, lambda t: t.run_stats.records))
+
+
+def _worker03(args: argparse.Namespace) -> None:
+    """torchtitan 0.3: ``llama3_debugmodel_ca`` from our config registry with the bench's loader,
+    run as torchtitan 0.3's ``main()`` does (parse, build, train, close)."""
+    from torchtitan_ext.titan03 import _compat
+
+    _compat.apply()
+    import dataclasses
+    from dataclasses import dataclass
+
+    import torch
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import init_logger
+
+    from torchtitan_ext.titan03.data import CADataLoader
+    from torchtitan_ext.titan03.trainer import CoreAttentionTrainer
+
+    configs = args.configs.split(",")
+    Workload = _workload_dataset(args, configs)
+
+    class BenchLoader(CADataLoader):
+        """The CA loader's config (the trainer sets its CA fields) over the bench's workload."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(CADataLoader.Config):
+            pass
+
+        def __init__(self, config, *, dp_world_size, dp_rank, tokenizer, seq_len, local_batch_size,
+                     snapshot_every_n_steps=None):  # fmt: skip
+            ds = Workload(dp_rank, dp_world_size, seq_len, (config.cost_model, config.shape))
+            ParallelAwareDataloader.__init__(
+                self, ds, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=None, num_workers=0
+            )
+
+    base = _bench_trainer(CoreAttentionTrainer, args, configs, lambda t: t._records)
+
+    class BenchTrainer03(base):
+        def init_distributed(self):
+            parallel_dims = super().init_distributed()
+            loader = self.config.dataloader  # what placement = "balance" would set: the planner's model
+            loader.cost_model, loader.shape = self.ca.cost_model.name, self.ca.shape
+            return parallel_dims
+
+    init_logger()
+    if not torch.cuda.is_available():
+        os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)  # as torchtitan_ext.titan03.train
+    config = ConfigManager().parse_args()
+    fields = {f.name: getattr(config.dataloader, f.name) for f in dataclasses.fields(CADataLoader.Config)}
+    config.dataloader = BenchLoader.Config(**fields)
+    trainer = BenchTrainer03(config)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 # ---- parent: launch, aggregate, report -------------------------------------------------------------
@@ -341,23 +482,30 @@ def _launch(model: str, workload: str, args: argparse.Namespace, out: Path) -> l
     T = args.tokens_per_rank or spec["tokens_per_rank"]
     # + memory and warm-up cycles (+ one profiled cycle)
     steps = len(args.configs) * ((args.repeats or spec["repeats"]) + 2 + bool(args.profile))
-    # torchtitan parses the worker's argv (its ConfigManager binds sys.argv at import);
+    # torchtitan parses the worker's argv (its ConfigManager reads sys.argv);
     # the bench's own settings travel in the environment.
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
-        "--local-ranks-filter", "0", __file__,
-        "--job.config_file", str(ROOT / "train_configs/debug_cpu.toml"),
-        "--model.name", "llama3_ca", "--model.flavor", spec["flavor"],
-        "--model.hf_assets_path", str(ROOT / "torchtitan_ext/assets/tokenizer"),
+    common = [
         "--training.seq_len", str(T), "--training.steps", str(steps),
-        "--training.dataset", "synthetic_pretrain", "--core_attention.nano_batches", str(args.nano_batches),
-        "--metrics.log_freq", "1000", "--job.dump_folder", str(out / "titan"),
-        "--lr_scheduler.warmup_steps", "1", "--debug.seed", "0",
-        *(["--compile.enable"] if args.compile else []),
+        "--core_attention.nano_batches", str(args.nano_batches), "--metrics.log_freq", "1000",
+        "--lr_scheduler.warmup_steps", "1", "--debug.seed", "0", *(["--compile.enable"] if args.compile else []),
+    ]  # fmt: skip
+    if args.titan == "0.3":  # the same model and settings from the 0.3 config registry (debug_cpu.toml's twin)
+        job = [
+            "--module", "torchtitan_ext.titan03", "--config", "llama3_debugmodel_ca", "--dump_folder", str(out / "titan"),
+        ]  # fmt: skip
+    else:
+        job = [
+            "--job.config_file", str(ROOT / "train_configs/debug_cpu.toml"), "--model.name", "llama3_ca",
+            "--model.flavor", spec["flavor"], "--model.hf_assets_path", str(ROOT / "torchtitan_ext/assets/tokenizer"),
+            "--training.dataset", "synthetic_pretrain", "--job.dump_folder", str(out / "titan"),
+        ]  # fmt: skip
+    cmd = [
+        args.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
+        "--local-ranks-filter", "0", __file__, *job, *common,
     ]  # fmt: skip
     worker = dict(
         workload=workload, configs=",".join(args.configs), out=str(out), seed=args.seed, nano_batches=args.nano_batches,
-        profile=args.profile, steps=steps,
+        profile=args.profile, steps=steps, titan=args.titan,
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), DISTCA_BENCH_WORKER=json.dumps(worker))
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -368,6 +516,27 @@ def _launch(model: str, workload: str, args: argparse.Namespace, out: Path) -> l
     for rk in range(args.ranks):
         rows += json.loads((out / f"rank{rk}.json").read_text())
     return rows
+
+
+BREAKDOWN = ("step", "attention", "exposed_exchange", "exposed_planning", "collectives", "rest")
+"""Where a rank's step went (seconds): attention kernels, waiting for CA exchanges, waiting for
+plans, other collectives (:func:`_time_collectives`), and the rest: linear layers, norms, loss,
+optimizer, loader (step minus the others)."""
+
+
+def _breakdown(rs: list[dict], ranks: int) -> dict[str, list[list[float]]]:
+    """Per part of :data:`BREAKDOWN`, per rank: [min, median, max] over the rows ``rs`` (pure)."""
+    parts = {k: [[] for _ in range(ranks)] for k in BREAKDOWN}
+    for r in rs:
+        got = {
+            "step": r["seconds"], "attention": r["attn_fwd_s"] + r["attn_bwd_s"],
+            "exposed_exchange": r.get("exposed_comm_s", 0.0), "exposed_planning": r.get("exposed_plan_s", 0.0),
+            "collectives": r.get("collective_s", 0.0),
+        }  # fmt: skip
+        got["rest"] = got["step"] - sum(v for k, v in got.items() if k != "step")
+        for k, v in got.items():
+            parts[k][r["rank"]].append(v)
+    return {k: [[min(x), statistics.median(x), max(x)] for x in v] for k, v in parts.items()}
 
 
 def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, configs: list[str]) -> dict:
@@ -393,6 +562,7 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
         peak = [mem[k]["rss_peak_MiB"] - mem[k]["rss_base_MiB"] for k in range(ranks)]
         total = [mem[k]["rss_peak_MiB"] for k in range(ranks)]
         per[c] = {
+            "breakdown_s_per_rank": _breakdown(rs, ranks),
             "tokens_per_s_median": tokens / statistics.median(step_s(c, b) for b in batches),
             "step_s_median": statistics.median(step_s(c, b) for b in batches),
             "speedup_vs_off": [min(ratios), statistics.median(ratios), max(ratios)] if ratios else None,
@@ -417,6 +587,10 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
     placed = next((c for c in ("distca_pingpong_placed", "distca_placed") if c in per), None)
     keep = next((c for c in ("distca_pingpong_keep", "distca_keep") if c in per), None)
     head = per[headline].get("speedup_vs_off") or [float("nan")] * 3
+    for c, v in per.items():
+        # Share of the bound's gain (off's step down to the ideal one) this configuration captured.
+        gain = statistics.median(bound) - 1 if bound else 0.0
+        v["bound_gain_captured"] = (v["speedup_vs_off"][1] - 1) / gain if gain > 0 and v["speedup_vs_off"] else None
     loads0 = per[configs[0]]["modelled_loads_colocated"]
     loads1 = per[headline]["modelled_loads_per_rank"]
     return {
@@ -430,6 +604,7 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
         "speedup_max": head[2],
         # min / median / max over batches of the zero-overhead bound (see above)
         "speedup_bound": [min(bound), statistics.median(bound), max(bound)] if bound else None,
+        "bound_gain_captured": per[headline]["bound_gain_captured"],
         "repeats": len(batches),
         "imbalance_before": max(loads0) / statistics.mean(loads0),
         "imbalance_after": max(loads1) / statistics.mean(loads1),
@@ -490,7 +665,7 @@ def plot(summary: dict, path: Path) -> None:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--models", nargs="+", default=None, choices=list(MODELS), help="default: all (0.3: debug)")
     p.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS), help="default: per --nano-batches")
     p.add_argument("--tokens-per-rank", type=int, default=None, help="T (default: per model, see MODELS)")
     p.add_argument("--ranks", type=int, default=2)
@@ -501,6 +676,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="windows per step (default 2); 1: one window of T per rank, whole documents up to T, no ping-pong configs",
     )  # fmt: skip
     p.add_argument("--compile", action="store_true", help="train with --compile.enable (the pieces around attention)")
+    p.add_argument(
+        "--titan", default="0.2.2", choices=("0.2.2", "0.3"),
+        help="the torchtitan adapter (0.3: torchtitan_ext.titan03 in .venv-titan03, `make setup-titan03`; debug model)",
+    )  # fmt: skip
+    p.add_argument("--python", default=None, help="the workers' interpreter (default: this one for 0.2.2, .venv-titan03's for 0.3)")
     p.add_argument(
         "--profile", action="store_true",
         help="one more cycle under torch.profiler (not timed); writes profile_<config>_rank<r>.txt per launch",
@@ -518,12 +698,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--nano-batches 1 cannot run ping-pong configurations (they overlap two nano-batches)")
     if (a.repeats is not None and a.repeats < 1) or a.ranks < 2:
         p.error("--repeats must be >= 1 and --ranks >= 2")
+    if a.models is None:
+        a.models = ["debug"] if a.titan == "0.3" else list(MODELS)
+    if a.titan == "0.3" and a.models != ["debug"]:
+        p.error(f"--titan 0.3 runs the debug model only (llama3_debugmodel_ca), got --models {' '.join(a.models)}")
+    if a.python is None:
+        a.python = str(ROOT / ".venv-titan03/bin/python") if a.titan == "0.3" else sys.executable
+    if not Path(a.python).exists():
+        p.error(f"--python {a.python} does not exist (for --titan 0.3: make setup-titan03)")
     return a
 
 
 def main(argv: list[str] | None = None) -> None:
     if "DISTCA_BENCH_WORKER" in os.environ:
-        return _worker(argparse.Namespace(**json.loads(os.environ["DISTCA_BENCH_WORKER"])))
+        worker = argparse.Namespace(**json.loads(os.environ["DISTCA_BENCH_WORKER"]))
+        return (_worker03 if worker.titan == "0.3" else _worker)(worker)
     args = _parse(argv)
     cmd = "python scripts/bench_train.py " + " ".join(sys.argv[1:] if argv is None else argv)
     for model in args.models:
@@ -531,12 +720,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.default_configs:
             margs.configs = [c for c in args.configs if c not in MODELS[model].get("skip_by_default", ())]
         for workload in args.workloads:
-            out = Path(args.out) / f"{model}_{workload}"
+            out = Path(args.out) / (f"{model}_{workload}" + ("_titan03" if args.titan == "0.3" else ""))
             t0 = time.perf_counter()
             rows = _launch(model, workload, margs, out)
             T = args.tokens_per_rank or MODELS[model]["tokens_per_rank"]
             s = summarize(rows, model, workload, T, args.ranks, margs.configs)
-            s["command"], s["wall_s"] = cmd, round(time.perf_counter() - t0, 1)
+            s["command"], s["wall_s"], s["torchtitan"] = cmd, round(time.perf_counter() - t0, 1), args.titan
             png = out / "bench_train.png"
             try:
                 plot(s, png)
@@ -560,6 +749,13 @@ def main(argv: list[str] | None = None) -> None:
                           f"{'/'.join(f'{x:.2f}' for x in v['attention_s_per_rank']):>18} "
                           f"{max(v['exposed_comm_s_per_rank']):10.3f} {v['fwd_MiB_per_layer']:14.2f} "
                           f"{'/'.join(f'{x:.0f}' for x in v['step_peak_MiB_per_rank']):>22}")  # fmt: skip
+                print(f"  share of the bound's gain captured by {s['cad_config']}: {s['bound_gain_captured'] or float('nan'):.2f}")
+                print("  where the step went, s (median over repeats, [min-max]), per rank:")
+                print(f"  {'config':22} {'rank':>4} " + " ".join(f"{k:>18}" for k in BREAKDOWN))
+                for c, v in s["configs"].items():
+                    for rk in range(args.ranks):
+                        cells = [v["breakdown_s_per_rank"][k][rk] for k in BREAKDOWN]
+                        print(f"  {c:22} {rk:>4} " + " ".join(f"{m:7.3f} [{lo:.2f}-{hi:.2f}]".rjust(18) for lo, m, hi in cells))
                 print(f"  PNG: {s.get('png', s.get('png_error'))}")
 
 

@@ -68,6 +68,23 @@ def test_summarize_bound_and_profiled_cycle():
     assert s["speedup_bound"] == pytest.approx([3.3 / 2.5] * 3)
 
 
+def test_breakdown_parts_add_up_to_the_step_per_rank_with_their_spread():
+    configs = ["off", "distca_pingpong"]
+    rows = _rows(configs, {"off": 3.0, "distca_pingpong": 2.0})
+    for r in rows:
+        r.update(exposed_plan_s=0.05, collective_s=0.2 + 0.1 * r["batch"])  # batches 2, 3 timed
+        if r["config"] == "off":  # rank 0 attends 2.0 s, rank 1 0.4 s
+            r["attn_fwd_s"], r["attn_bwd_s"] = 0.0, 2.0 if r["rank"] == 0 else 0.4
+    s = bt.summarize(rows, "debug", "skewed", 1024, 2, configs)
+    b = s["configs"]["off"]["breakdown_s_per_rank"]
+    assert b["step"][1] == pytest.approx([3.3] * 3) and b["attention"][1] == pytest.approx([0.4] * 3)
+    assert b["collectives"][0] == pytest.approx([0.4, 0.45, 0.5])  # min / median / max over the repeats
+    # rest = step - attention - exposed exchange - exposed planning - collectives
+    assert b["rest"][0] == pytest.approx([3.0 - 2.0 - 0.1 - 0.05 - c for c in (0.5, 0.45, 0.4)])
+    # 1.5x of a bound of 3.3 / 2.5 = 1.32x: more than the bound's whole gain
+    assert s["bound_gain_captured"] == pytest.approx(0.5 / 0.32)
+
+
 @pytest.mark.slow
 def test_json_contract_end_to_end(tmp_path):
     """One real (tiny) launch: torchtitan trainer, 2 gloo processes, configs cycled per step."""
@@ -89,6 +106,8 @@ def test_json_contract_end_to_end(tmp_path):
     # Sequential nano-batches expose their exchanges; the colocated baseline has none to expose.
     assert max(s["configs"]["off"]["exposed_comm_s_per_rank"]) == 0.0
     assert max(s["configs"]["distca"]["exposed_comm_s_per_rank"]) > 0.0
+    # FSDP2's all-gathers and reduce-scatters are timed on every rank (the collective hooks work).
+    assert all(lo > 0.0 for lo, _, _ in s["configs"]["off"]["breakdown_s_per_rank"]["collectives"])
 
 
 @pytest.mark.parametrize("workload", ["skewed", "prolong"])

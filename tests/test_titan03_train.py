@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
-from _titan03 import LANE, scalars, torchrun
+from _titan03 import LANE, ROOT, scalars, torchrun
 
 pytestmark = [LANE, pytest.mark.titan03, pytest.mark.slow]
 
@@ -124,3 +126,21 @@ def test_a_degree_that_does_not_divide_the_data_parallel_size_stops_every_rank(t
     assert rc != 0
     assert "core_attention.degree=3 must divide the data-parallel size 2 (valid: -1 or one of [1, 2])" in log, log[-4000:]
     assert "Training starts" not in log
+
+
+def test_bench_train_runs_the_same_cycle_on_torchtitan_03(tmp_path):
+    """``scripts/bench_train.py --titan 0.3``: the bench's configurations cycled per step on
+    torchtitan 0.3's trainer, with the --json contract and the time breakdown of the 0.2.2 lane."""
+    cmd = [
+        sys.executable, "scripts/bench_train.py", "--titan", "0.3", "--python", sys.executable, "--workloads", "skewed",
+        "--tokens-per-rank", "2048", "--repeats", "1", "--configs", "off", "distca", "--json", "--out", str(tmp_path),
+    ]  # fmt: skip
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    s = json.loads(line)
+    assert s["torchtitan"] == "0.3" and s["model"] == "debug" and s["repeats"] == 1
+    assert s["imbalance_before"] > s["imbalance_after"]
+    assert max(s["configs"]["off"]["exposed_comm_s_per_rank"]) == 0.0
+    assert max(s["configs"]["distca"]["exposed_comm_s_per_rank"]) > 0.0
+    assert all(lo > 0.0 for lo, _, _ in s["configs"]["off"]["breakdown_s_per_rank"]["collectives"])

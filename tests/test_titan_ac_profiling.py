@@ -219,7 +219,8 @@ def test_recomputing_checkpointing_warns_once(caplog):
     def job(mode, option):
         par = NS(context_parallel_degree=1, tensor_parallel_degree=1, pipeline_parallel_degree=1,
                  pipeline_parallel_schedule="1F1B")  # fmt: skip
-        return NS(parallelism=par, activation_checkpoint=NS(mode=mode, selective_ac_option=option), validation=None)
+        return NS(parallelism=par, activation_checkpoint=NS(mode=mode, selective_ac_option=option), validation=None,
+                  training=NS(seq_len=2048))
 
     config._warned.clear()
     with caplog.at_level("WARNING", logger="torchtitan_ext.config"):
