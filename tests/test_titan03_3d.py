@@ -1,12 +1,13 @@
-"""The 3D feature set on torchtitan 0.3: ping-pong (nano-batches), tensor parallelism and
-``torch.compile`` with CAD, CAD against a one-process reference, the 8B registry configs, no MFU on
-CPU. torchtitan 0.3.0's own Trainer on gloo CPU processes, the llama3 debug model.
+"""The 3D feature set on torchtitan 0.3: ping-pong (nano-batches), tensor parallelism, both
+together, and ``torch.compile`` with CAD, CAD against a one-process reference, the 8B registry
+configs, no MFU on CPU. torchtitan 0.3.0's own Trainer on gloo CPU processes, the llama3 debug
+model; TP with ping-pong also in gloo workers against an fp64 reference (tests/_titan03_tp_nano.py).
 
 Every training run starts from one seed checkpoint (FSDP-sharded, TP-sharded and unsharded
 ``init_weights`` draw different numbers) and trains on the same windows: one CA group of 1024
 tokens per step (2 ranks x 512, or one process x 1024 for the reference), fp32, deterministic.
 Tolerances are the 0.2.2 suite's for the same comparisons (tests/test_torchtitan_ext.py,
-tests/test_pingpong.py, tests/test_tensor_parallel.py).
+tests/test_pingpong.py, tests/test_tensor_parallel.py), tighter where a test says why.
 """
 
 from __future__ import annotations
