@@ -227,6 +227,25 @@ def test_nano_batches_with_tensor_parallel_lay_rows_out_tp_major_and_resume(tp):
     CAPackedDataset(stream, group=0, ca_rank=0, ca_degree=R, seq_len=68, nano_batches=1, tp=4)  # one nano-batch: no order
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_nano_positions_undo_the_tp_major_order(tp):
+    """``nano_positions`` (what the torchtitan 0.3 nano-batch block cuts RoPE positions with) is the
+    inverse of the loader's TP-major row order: from a rank's TP-major positions it gives each
+    nano-batch's positions in stream order, the rows its TP all-gather holds; with ``tp = 1`` the
+    two halves. A seq_len the order cannot split is refused with the loader's rule."""
+    from torchtitan_ext.data import nano_positions, tp_major_rows
+
+    T = 48
+    stream_order = torch.randperm(1000, generator=torch.Generator().manual_seed(tp))[:T].view(1, T)  # [n0 | n1]
+    p0, p1 = nano_positions(stream_order[:, tp_major_rows(T, tp)], tp)
+    assert torch.equal(p0, stream_order[:, : T // 2]) and torch.equal(p1, stream_order[:, T // 2 :])
+    if tp > 1:  # the positions as they arrive (TP-major) are not each nano-batch's
+        assert not torch.equal(stream_order[:, tp_major_rows(T, tp)][:, : T // 2], p0)
+    bad = 11 * tp  # an odd multiple of tp: not divisible by 2 * tp
+    with pytest.raises(ValueError, match=rf"tp={tp} must be an integer >= 1 with seq_len={bad} divisible by 2 \* tp"):
+        nano_positions(torch.zeros(1, bad, dtype=torch.long), tp)
+
+
 @pytest.mark.parametrize("nano", [1, 2])
 def test_items_carry_the_next_layout_without_moving_the_state(nano):
     """Every item holds the next item's layout keys (``next_*``) for planning ahead; the

@@ -98,9 +98,10 @@ def _parse_error(capsys, monkeypatch, *args: str) -> str:
         (["--training.no-disable_cuda_graphs"], r"core_attention\.enable=true needs --training\.disable_cuda_graphs"),
         (["--parallelism.pipeline_parallel_degree", "2"],  # the 0.2.2 rule first, as in the 0.2.2 adapter
          r"core_attention\.across_stages=true \(one CA group over the 2 pipeline stages\) needs"),
-        (["--parallelism.tensor_parallel_degree", "2", "--core_attention.pingpong"],  # this adapter's (0.2.2 runs it)
-         r"--parallelism\.tensor_parallel_degree=2 with --core_attention\.nano_batches=2 \(resolved from "
-         r"--core_attention\.pingpong=true\) is not supported by the torchtitan 0\.3 adapter yet"),
+        (["--parallelism.tensor_parallel_degree", "2", "--core_attention.pingpong", "--training.seq_len", "1022"],
+         r"core_attention\.nano_batches=-1 \(pingpong=true, resolved to 2 nano-batches\) with "
+         r"parallelism\.tensor_parallel_degree=2 needs training\.seq_len divisible by nano_batches \* "
+         r"tensor_parallel_degree = 4, got seq_len=1022"),  # the 0.2.2 rule
         (["--core_attention.mode", "keep", "--core_attention.no-across_stages", "activation-checkpoint:selective"],
          r'core_attention\.mode="keep" cannot be combined with activation_checkpoint=selective'),
         (["activation-checkpoint:full"],

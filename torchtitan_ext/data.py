@@ -27,6 +27,7 @@ Public surface:
     ``group_window``          pure: one step's global window of a group's stream
     ``rank_batch``            slice a window into one rank's ``(input_dict, labels)``
     ``nano_rank_batch``       the same for two nano-batches (TP-major rows with tensor parallelism)
+    ``nano_positions``        pure: a TP-major row's positions back to each nano-batch's, stream order
     ``place_windows``         pure: a step's windows with their documents placed (``distca.place``)
     ``make_stream``           a source's document stream for one CA group
     ``TOKENIZER_PATH``        the shipped offline tokenizer (``assets/tokenizer``)
@@ -80,6 +81,7 @@ __all__ = [
     "rank_batch",
     "nano_rank_batch",
     "tp_major_rows",
+    "nano_positions",
     "PlacedStep",
     "place_windows",
     # torchtitan
@@ -770,6 +772,26 @@ def tp_major_rows(tokens_per_rank: int, tp: int) -> torch.Tensor:
             "holds an equal chunk of both nano-batches"
         )
     return torch.arange(T).view(2, tp, T // (2 * tp)).transpose(0, 1).reshape(-1)  # [tp, 2, c] -> [T]
+
+
+def nano_positions(positions: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each nano-batch's positions ``[B, T/2]`` in stream order from a rank's ``[B, T]`` positions
+    laid out by :func:`tp_major_rows` for ``tp`` tensor-parallel ranks (the inverse of that order).
+
+    The model's nano-batch block needs them: its TP all-gather of a half of the sequence shard is
+    one nano-batch in stream order, and RoPE must see the positions of those rows. Needs
+    ``T % (2 * tp) == 0``.
+
+    Example:
+        >>> p = torch.tensor([[0, 1, 4, 5, 2, 3, 6, 7]])  # tp_major_rows(8, 2) applied to 0..7
+        >>> [x.tolist() for x in nano_positions(p, 2)]
+        [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    """
+    B, T = positions.shape
+    tp_major_rows(T, tp)  # the same rule (raises unless T % (2 * tp) == 0)
+    # [B, tp, 2, c]: TP rank t's chunk of nano-batch n is [:, t, n]; per n, the chunks in TP order.
+    p0, p1 = positions.reshape(B, tp, 2, T // (2 * tp)).unbind(2)
+    return p0.reshape(B, T // 2), p1.reshape(B, T // 2)
 
 
 def nano_rank_batch(

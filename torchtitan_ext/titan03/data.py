@@ -3,7 +3,7 @@
 The streams, windows and packing are :mod:`torchtitan_ext.data`'s (version-free); this module only
 fits them to torchtitan 0.3's builder, ``config.dataloader.build(dp_world_size=, dp_rank=,
 tokenizer=, seq_len=, local_batch_size=, snapshot_every_n_steps=)``. What that call cannot carry
-(the CA degree, nano-batches, placement) are ``tyro.conf.Suppress`` fields the trainer sets at
+(the CA degree, nano-batches, the TP degree, placement) are ``tyro.conf.Suppress`` fields the trainer sets at
 start-up, once the mesh is known (:meth:`CoreAttentionTrainer.init_distributed`).
 """
 
@@ -49,6 +49,11 @@ class CADataLoader(ParallelAwareDataloader):
         nano_batches: Annotated[int, tyro.conf.Suppress] = 1
         """Nano-batches per row (set by the trainer from ``core_attention``)."""
 
+        tp: Annotated[int, tyro.conf.Suppress] = 1
+        """Tensor-parallel degree (set by the trainer): with two nano-batches each row is laid out
+        TP-major (:func:`torchtitan_ext.data.nano_rank_batch`), so that each half of a TP rank's
+        sequence shard gathers to one nano-batch in stream order."""
+
         microbatches: Annotated[int, tyro.conf.Suppress] = 1
         """Pipeline micro-batches per item (set by the trainer: ``training.local_batch_size`` under
         pipeline parallelism with CAD; the trainer hands them to torchtitan's loop one by one)."""
@@ -90,12 +95,13 @@ class CADataLoader(ParallelAwareDataloader):
         dataset = data.CAPackedDataset(
             stream, group=group, ca_rank=dp_rank % degree, ca_degree=degree, seq_len=seq_len, seed=config.seed,
             nano_batches=config.nano_batches, microbatches=config.microbatches, placement=config.placement,
-            cost_model=config.cost_model, shape=config.shape,
+            cost_model=config.cost_model, shape=config.shape, tp=config.tp,
         )  # fmt: skip
         logger.info(
             "CA loader: dataset=%s group=%d/%d ca_rank=%d/%d seq_len=%d nano_batches=%d microbatches=%d seed=%d "
-            "placement=%s", config.dataset, group, num_groups, dp_rank % degree, degree, seq_len, config.nano_batches,
+            "placement=%s%s", config.dataset, group, num_groups, dp_rank % degree, degree, seq_len, config.nano_batches,
             config.microbatches, config.seed, config.placement,
+            f" rows TP-major for tp={config.tp}" if config.nano_batches == 2 and config.tp > 1 else "",
         )  # fmt: skip
         # batch_size=None: items are already [1, L], and cu_seqlens changes length every step.
         super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=None, num_workers=0)

@@ -24,17 +24,20 @@ from dataclasses import dataclass
 import spmd_types as spmd
 import torch
 from spmd_types.runtime import get_partition_spec
+from torch.distributed.tensor import DTensor, Shard
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 from torchtitan.models.common.rope import ComplexRoPE
 from torchtitan.models.llama3.model import Llama3TransformerBlock
 from torchtitan.protocols.module import Module
+from torchtitan.protocols.sharding import resolve_placements
 
 import distca
 from distca import pingpong
 from torchtitan_ext.clock import mark
 from torchtitan_ext.config import CoreAttention, nano_batches
+from torchtitan_ext.data import nano_positions
 from torchtitan_ext.planning import StepPlan, interleaves
 
 __all__ = ["CANanoBlock", "CARoPE", "CASelectiveAC", "CoreAttentionModule", "convert", "kernel_backend"]
@@ -156,20 +159,66 @@ class CARoPE(ComplexRoPE):
         super().__init__(dataclasses.replace(config, max_seq_len=config.max_seq_len * config.span))
 
 
+def _attention_input(block: "CANanoBlock", h: torch.Tensor) -> torch.Tensor:
+    """``attention_norm``'s output redistributed as ``GQAttention``'s wrapped forward would before
+    its projections: torchtitan's own declared input sharding of ``block.attention`` (``x_BLD``:
+    the sequence-parallel layout -> Replicate on TP, an all-gather over the TP group), which
+    calling ``qkv_linear`` directly would skip. Without tensor parallelism (no declared sharding,
+    nothing parallelized) ``h`` as it is."""
+    attn, dims = block.attention, block._ca_parallel_dims
+    if dims is None or attn._sharding_config is None:
+        return h
+    # torchtitan's Module._redistribute_inputs reads the module's ShardingConfig and runs the
+    # backend's redistribution (DTensor.redistribute under partial_dtensor), keyed by forward's
+    # positional argument names (x_BLD, attention_masks, positions); it binds every one of them, so
+    # the others go as None (declared for none; only tensors are redistributed).
+    names = attn._cache_pos_arg_names()
+    args, _ = attn._redistribute_inputs(dims, (h,) + (None,) * (len(names) - 1), {})
+    return args[0]
+
+
+def _local_heads(block: "CANanoBlock", t: torch.Tensor) -> torch.Tensor:
+    """q/k/v [1, t, N, H] as the local tensor [1, t, N/tp, H] of this TP rank's heads: what the
+    ``local_map`` torchtitan declares on ``inner_attention`` hands ``CoreAttentionModule`` (the
+    nano-batch schedule calls distca directly, past that wrapper)."""
+    if not isinstance(t, DTensor):
+        return t
+    want = block._ca_heads_placements
+    if tuple(t.placements) != want:
+        raise RuntimeError(
+            f"the nano-batch schedule expects q/k/v with inner_attention's declared placements {want} "
+            f"(heads sharded over TP), got {tuple(t.placements)}"
+        )
+    return t.to_local()
+
+
 def _pre_attention(block: "CANanoBlock", x: torch.Tensor, positions: torch.Tensor):
     """llama3's block up to core attention, as ``GQAttention.forward`` runs it: x [1, t, D] ->
-    q [t, Nq, H], k, v [t, Nkv, H] (after RoPE by the in-document ``positions`` [1, t])."""
+    q [t, Nq, H], k, v [t, Nkv, H] (after RoPE by the in-document ``positions`` [1, t]).
+
+    With tensor parallelism x is a DTensor, sequence-sharded over TP (this rank's [1, t / tp, D]);
+    the attention's input redistribution gathers it to the nano-batch's t rows, and q, k, v are this
+    rank's Nq / tp, Nkv / tp heads as local tensors."""
     attn = block.attention
-    xq, xk, xv = attn.qkv_linear(block.attention_norm(x))
+    xq, xk, xv = attn.qkv_linear(_attention_input(block, block.attention_norm(x)))
     if attn.q_norm is not None:
         xq, xk = attn.q_norm(xq), attn.k_norm(xk)
     xq, xk = attn.rope(xq, xk, positions)
+    xq, xk, xv = (_local_heads(block, t) for t in (xq, xk, xv))
     return xq[0], xk[0], xv[0]
 
 
 def _post_attention(block: "CANanoBlock", x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """llama3's block after core attention: x [1, t, D], o [t, Nq, H] -> [1, t, D]."""
-    h = x + block.attention.wo(o.contiguous().flatten(1).unsqueeze(0))
+    """llama3's block after core attention: x [1, t, D], o [t, Nq, H] -> [1, t, D].
+
+    With tensor parallelism o is this rank's heads; it becomes a DTensor with inner_attention's
+    declared output placements (as its ``local_map`` wraps the op's output), so ``wo`` (rowwise:
+    the reduce-scatter back to the sequence shard) and the FFN (all-gather, reduce-scatter) run
+    their declared redistributions as modules."""
+    o_BLNH = o.contiguous().unsqueeze(0)
+    if block._ca_tp_mesh is not None:
+        o_BLNH = DTensor.from_local(o_BLNH, block._ca_tp_mesh, block._ca_heads_placements, run_check=False)
+    h = x + block.attention.wo(o_BLNH.flatten(2))
     return h + block.feed_forward(block.ffn_norm(h))
 
 
@@ -205,8 +254,16 @@ class CANanoBlock(Llama3TransformerBlock):
     mirrors the forward (``distca.pingpong``). The schedule between the pieces is Python around
     collectives, so torch.compile never traces the block: with ``compile_pieces`` the pieces
     before and after core attention compile instead (the trainer then drops the per-block compile).
-    Not with tensor parallelism: the pieces call the attention's submodules directly, past the
-    attention module's input redistribution (rejected at start-up).
+
+    With tensor parallelism (sequence parallel, ``partial_dtensor``) x is a DTensor sharded on the
+    sequence over TP: this rank's [1, L/tp, D], which the loader laid out TP-major as
+    ``[nano 0 chunk | nano 1 chunk]`` (``torchtitan_ext.data.nano_rank_batch``). Each local half is
+    nano-batch i's sequence shard, so the attention's declared input all-gather of it (run by
+    :func:`_attention_input`, since the pieces call the attention's submodules directly) is that
+    nano-batch's L/2 rows in stream order, the rows its plan describes; ``wo`` and the FFN run as
+    modules with their reduce-scatters. ``positions`` [1, L] (replicated, TP-major) are cut back to
+    each nano-batch's (``torchtitan_ext.data.nano_positions``). So each nano-batch's TP
+    collectives run in its own compute phases, between the exchanges.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -217,22 +274,81 @@ class CANanoBlock(Llama3TransformerBlock):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.compile_pieces = config.compile_pieces
+        self._ca_parallel_dims = None
+        """torchtitan's ParallelDims when tensor parallelism parallelized this block (else None)."""
+        self._ca_tp_mesh = None
+        """The TP mesh of inner_attention's declared placements (None without TP)."""
+        self._ca_heads_placements: tuple = ()
+        """inner_attention's declared output placements on that mesh (heads sharded over TP)."""
+        self._ca_tp = 1
         if not isinstance(self.attention.inner_attention, CoreAttentionModule):
             raise ValueError(
                 f"CANanoBlock needs core attention as attention.inner_attention, got "
                 f"{type(self.attention.inner_attention).__qualname__}"
             )
 
+    def parallelize(self, parallel_dims) -> None:
+        """torchtitan's parallelization of the block (its submodules' declared shardings), and what
+        the nano-batch pieces need to run those declarations themselves: the parallel dims and the
+        TP mesh and placements of inner_attention's declared local region."""
+        Llama3TransformerBlock.parallelize(self, parallel_dims)
+        inner = self.attention.inner_attention._sharding_config
+        mesh = None
+        if parallel_dims.tp_enabled and inner is not None and inner.out_src_shardings is not None:
+            mesh = parallel_dims.resolve_shared_mesh([inner.out_src_shardings])
+        if mesh is None:
+            return
+        if parallel_dims.spmd_backend != "partial_dtensor":
+            # The trainer refuses this at start-up; a direct build gets the same rule.
+            raise ValueError(
+                f"core_attention.nano_batches=2 with tensor parallelism runs under parallelism.spmd_backend="
+                f'"partial_dtensor" only, got {parallel_dims.spmd_backend!r}'
+            )
+        self._ca_parallel_dims, self._ca_tp_mesh, self._ca_tp = parallel_dims, mesh, parallel_dims.tp
+        self._ca_heads_placements = tuple(resolve_placements(inner.out_src_shardings, mesh))
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x's two nano-batches: halves of the rows, or with TP halves of this rank's sequence shard
+        (each again a sequence-sharded DTensor: nano-batch i's L/2 rows, see the class docstring)."""
+        if not isinstance(x, DTensor):
+            return x.split(x.shape[1] // 2, dim=1)
+        if tuple(x.placements) != (Shard(1),):
+            raise RuntimeError(
+                "core_attention.nano_batches=2 with tensor parallelism needs the block input sharded on the "
+                f"sequence over TP (placements (Shard(1),), --parallelism.enable_sequence_parallel), got "
+                f"{tuple(x.placements)}"
+            )
+        local = x.to_local()  # [1, L/tp, D] = [nano 0 chunk | nano 1 chunk] (the loader's TP-major rows)
+        if local.shape[1] % 2:
+            raise RuntimeError(f"a TP rank's sequence shard of {local.shape[1]} rows does not halve into nano-batches")
+        return tuple(
+            DTensor.from_local(h, x.device_mesh, x.placements, run_check=False)
+            for h in local.split(local.shape[1] // 2, dim=1)
+        )
+
+    @staticmethod
+    def _join(ys: list[torch.Tensor]) -> torch.Tensor:
+        """The inverse of :meth:`_split`: the nano-batches' outputs as the block's output rows."""
+        if not isinstance(ys[0], DTensor):
+            return torch.cat(ys, dim=1)
+        local = torch.cat([y.to_local() for y in ys], dim=1)
+        return DTensor.from_local(local, ys[0].device_mesh, ys[0].placements, run_check=False)
+
     @torch._dynamo.disable  # the schedule is Python around collectives; the pieces compile
     def forward(self, x: torch.Tensor, attention_masks: StepPlan | None, positions: torch.Tensor | None = None):
         step = attention_masks
         if positions is None:
             raise ValueError("nano-batches need in-document positions (the CA data loader yields them)")
-        t = x.shape[1] // 2
-        xs, ps = x.split(t, dim=1), positions.split(t, dim=1)
+        if isinstance(x, DTensor) != (self._ca_tp_mesh is not None):
+            raise RuntimeError(
+                f"CANanoBlock: block input {'a' if isinstance(x, DTensor) else 'not a'} DTensor, but the block was "
+                f"{'' if self._ca_tp_mesh is not None else 'not '}parallelized with tensor parallelism"
+            )
+        xs = self._split(x)
+        ps = nano_positions(positions, self._ca_tp)  # [1, L] TP-major -> 2 x [1, L/2] in stream order
         pre, post = _pieces(self.compile_pieces)
         if isinstance(step, StepPlan) and not step.plans:  # StepPlan.shapes_only(): pipelining's shape inference
-            return torch.cat([post(self, xs[i], pre(self, xs[i], ps[i])[0] * 0.0) for i in (0, 1)], dim=1)
+            return self._join([post(self, xs[i], pre(self, xs[i], ps[i])[0] * 0.0) for i in (0, 1)])
         if not isinstance(step, StepPlan) or len(step.plans) != 2:
             raise RuntimeError(
                 f"core_attention.nano_batches=2 needs a StepPlan with two plans as attention_masks, got {step!r}: "
@@ -272,7 +388,7 @@ class CANanoBlock(Llama3TransformerBlock):
             f1, _ = start(1, kv0, after=f0)
             pingpong.serve(f1)
             y1 = post(self, xs[1], finish(f1))
-        return torch.cat([y0, y1], dim=1)
+        return self._join([y0, y1])
 
 
 class CASelectiveAC(SelectiveAC):

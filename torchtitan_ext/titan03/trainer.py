@@ -78,28 +78,43 @@ def _check(config: "CoreAttentionTrainer.Config", dp_size: int | None) -> int:
     degree = validate(
         known, dp_size=dp_size or 1, cp_degree=p.context_parallel_degree, tp_degree=p.tensor_parallel_degree,
         pp_degree=p.pipeline_parallel_degree, pp_schedule=p.pipeline_parallel_schedule, ac_mode=ac_mode,
-        ac_option=ac_option,
+        ac_option=ac_option, seq_len=config.training.seq_len,
     )  # fmt: skip
+    # (Async TP is --compile.enable_async_tensor_parallel on 0.3 and needs --compile.enable, which the
+    # rules below refuse with TP and nano-batches, naming 0.3's flags.)
     if not cfg.enable:
         return 1
     n_nano = nano_batches(cfg)
     # (what the command line set, whether it is unsupported here, what to set instead)
-    pp = p.pipeline_parallel_degree
+    pp, tp = p.pipeline_parallel_degree, p.tensor_parallel_degree
+    nano_tp = (
+        f"--parallelism.tensor_parallel_degree={tp} with --core_attention.nano_batches={n_nano} (resolved from "
+        f"--core_attention.pingpong={str(cfg.pingpong).lower()})"
+    )
+    no_nano = "--core_attention.nano_batches 1 and --core_attention.no-pingpong"
+    untested = "(untested with the nano-batch block's tensor parallelism on 0.3)"
+    on_022 = "(the 0.2.2 adapter, torchtitan_ext.train, supports it)"
     unsupported = (
-        # The nano-batch block calls the attention's submodules itself, past GQAttention's TP input
-        # redistribution (the 0.2.2 rule, kept here should the 0.2.2 adapter lift it).
-        (f"--parallelism.tensor_parallel_degree={p.tensor_parallel_degree} with --core_attention.nano_batches="
-         f"{n_nano} (resolved from --core_attention.pingpong={str(cfg.pingpong).lower()})",
-         p.tensor_parallel_degree > 1 and n_nano > 1,
-         "--core_attention.nano_batches 1 and --core_attention.no-pingpong, or --parallelism.tensor_parallel_degree 1"),
+        # What the nano-batch block with TP (CANanoBlock: the attention's declared redistributions run
+        # by the pieces, TP-major rows) is tested with: partial_dtensor, sequence parallel, eager
+        # (with and without PP). The rest stays refused until tested.
+        (f"{nano_tp} and --parallelism.spmd_backend={p.spmd_backend}",
+         tp > 1 and n_nano > 1 and p.spmd_backend != "partial_dtensor",
+         f"--parallelism.spmd_backend partial_dtensor (the registry configs' backend), or {no_nano}", untested),
+        (f"{nano_tp} and --parallelism.no-enable_sequence_parallel",
+         tp > 1 and n_nano > 1 and not p.enable_sequence_parallel,
+         f"--parallelism.enable_sequence_parallel (the rows of each nano-batch are laid out per sequence shard), "
+         f"or {no_nano}", untested),
+        (f"{nano_tp} and --compile.enable", tp > 1 and n_nano > 1 and config.compile.enable,
+         f"--compile.no-enable, or {no_nano}", untested),
         (f"activation-checkpoint:{ac_mode}", ac_mode not in ("none", "selective"),
-         "activation-checkpoint:selective or activation-checkpoint:none"),
+         "activation-checkpoint:selective or activation-checkpoint:none", on_022),
     )  # fmt: skip
-    for given, bad, instead in unsupported:
+    for given, bad, instead, note in unsupported:
         if bad:
             raise ValueError(
                 f"core_attention.enable=true with {given} is not supported by the torchtitan 0.3 adapter yet "
-                f"(the 0.2.2 adapter, torchtitan_ext.train, supports it); use {instead}"
+                f"{note}; use {instead}"
             )
     if cfg.mode == "keep" and ac_mode != "none":
         # Recomputation runs the forward twice; in "keep" mode every forward stashes its server
@@ -273,9 +288,11 @@ class CoreAttentionTrainer(Trainer):
         if cfg.placement != "none":
             loader.placement, loader.cost_model, loader.shape = cfg.placement, cost, shape
         loader.microbatches = microbatches
+        # With two nano-batches the rows are laid out TP-major (CANanoBlock's sequence shards).
+        loader.tp = tp
         if val_loader is not None:  # the same windows as training's (no placement: nothing to speed up)
             val_loader.ca_degree, val_loader.nano_batches = loader.ca_degree, loader.nano_batches
-            val_loader.microbatches = microbatches
+            val_loader.microbatches, val_loader.tp = microbatches, tp
         logger.info(
             f"core_attention: CA group of {degree} ranks, {shape.num_heads} query / {shape.num_kv_heads} KV heads "
             f"per rank{f' (TP {tp})' if tp > 1 else ''}, {n_nano} nano-batch(es), cost model {cost}"
