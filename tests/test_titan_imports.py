@@ -9,7 +9,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "torchtitan_ext"
 
-VERSION_FREE = ("_cpu", "config", "ticks", "clock", "planning", "pipeline", "data", "report", "ca_mesh", "_version")
+VERSION_FREE = ("_cpu", "compile_cache", "config", "ticks", "clock", "planning", "pipeline", "data", "report", "ca_mesh", "_version")
 """Modules that work with any torchtitan: they import none at module level (``ca_mesh`` reads
 ``ParallelDims`` attributes that 0.2.2 and 0.3.0 share)."""
 

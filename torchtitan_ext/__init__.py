@@ -22,6 +22,7 @@ Version-free (no torchtitan import at module level; reusable by another torchtit
   ``ParallelDims`` attributes it reads are the same in 0.2.2 and 0.3.0);
 - ``_version``: the installed torchtitan and each adapter's check of it;
 - ``_cpu``: the CPU start-up patches both torchtitans need (each adapter's ``_compat`` applies them).
+- ``compile_cache``: a compile cache per rank (with ``--compile.enable``: inductor's cache mixes up TP groups).
 
 Written against torchtitan 0.2.2:
 

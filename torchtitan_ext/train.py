@@ -36,6 +36,7 @@ from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.train import Trainer, main  # noqa: E402
 
 from torchtitan_ext import data, pipeline, report  # noqa: E402
+from torchtitan_ext.compile_cache import rank_local_compile_cache  # noqa: E402
 from torchtitan_ext.config import TICK_SCHEDULES, cost_model_name, nano_batches, validate_job  # noqa: E402
 from torchtitan_ext.converter import planner_of  # noqa: E402
 from torchtitan_ext.planning import StepPlan  # noqa: E402
@@ -214,6 +215,8 @@ class CoreAttentionTrainer(Trainer):
                     f"core_attention.enable=true needs a CA-aware dataset (document boundaries per step); "
                     f"training.dataset={job_config.training.dataset!r} is not one of {list(data.DATASETS)}"
                 )
+        if job_config.compile.enable:  # before anything compiles (torchtitan_ext.compile_cache says why)
+            rank_local_compile_cache(int(os.environ.get("RANK", "0")))
         super().__init__(job_config)
         self.ca = planner_of(self.model_parts)
         self.run_stats = _RunStats()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ import distca
 from distca.cost import ModelShape, load_cost_model
 from torchtitan_ext import data, pipeline, report
 from torchtitan_ext.ca_mesh import build_ca_mesh
+from torchtitan_ext.compile_cache import rank_local_compile_cache
 from torchtitan_ext.config import CoreAttention, cost_model_name, nano_batches, validate
 from torchtitan_ext.planning import CAPlanner, StepPlan
 from torchtitan_ext.titan03 import model as ca_model
@@ -199,6 +201,8 @@ class CoreAttentionTrainer(Trainer):
 
     def __init__(self, config: Config) -> None:
         cfg = config.core_attention
+        if config.compile.enable:  # before anything compiles (torchtitan_ext.compile_cache says why)
+            rank_local_compile_cache(int(os.environ.get("RANK", "0")))
         self.ca: CAPlanner | None = None
         self._step_plans: list[StepPlan] = []
         """This step's micro-batch plans, dropped (freeing them) when the step is logged."""
