@@ -119,9 +119,10 @@ def llama3_8b_ca_4d() -> CoreAttentionTrainer.Config:
     """Llama-3-8B, long context, 4D as the paper runs it (``train_configs/llama3_8b_ca_4d.toml``):
     FSDP2 x TP 8 x 4 pipeline stages (Tick1F1B, 8 micro-batches of one 64K row) x CAD, for 8 nodes
     of 8 H200 GPUs (pp 4 x tp 8 x dp 2); per TP rank one CA group of its 2 data-parallel ranks x 4
-    stages (``across_stages``), each dispatching its TP rank's heads. No ping-pong, unlike the
-    TOML: on 0.3 TP with ping-pong (with PP too) runs eager only, and this config compiles; the
-    compiled combination is refused at start-up until tested. NOT RUN by this project (no GPU in CI)."""
+    stages (``across_stages``), each dispatching its TP rank's heads, with ping-pong (two
+    nano-batches per micro-batch, TP collectives per nano-batch). On CPU: TP with ping-pong is tested
+    exact eager and compiled, and with PP eager; the whole combination (PP x TP x ping-pong x
+    compile) ran 4 steps of pp 2 x tp 2. NOT RUN at this size by this project (no GPU in CI)."""
     return _llama3_8b(
         dump_folder="./outputs/llama3_8b_ca_4d",
         training=TrainingConfig(
@@ -136,6 +137,6 @@ def llama3_8b_ca_4d() -> CoreAttentionTrainer.Config:
         ),  # fmt: skip
         core_attention=CoreAttention(
             enable=True, degree=-1, across_stages=True, policy="distca", tolerance=0.05, mode="resend",
-            min_shard=512, cost_model="h200", pingpong=False,
+            min_shard=512, cost_model="h200", pingpong=True,
         ),  # fmt: skip
     )

@@ -322,7 +322,7 @@ class CANanoBlock(Llama3TransformerBlock):
         if local.shape[1] % 2:
             raise RuntimeError(f"a TP rank's sequence shard of {local.shape[1]} rows does not halve into nano-batches")
         return tuple(
-            DTensor.from_local(h, x.device_mesh, x.placements, run_check=False)
+            DTensor.from_local(h.clone() if self.compile_pieces else h, x.device_mesh, x.placements, run_check=False)
             for h in local.split(local.shape[1] // 2, dim=1)
         )
 

@@ -82,8 +82,6 @@ def _check(config: "CoreAttentionTrainer.Config", dp_size: int | None) -> int:
         pp_degree=p.pipeline_parallel_degree, pp_schedule=p.pipeline_parallel_schedule, ac_mode=ac_mode,
         ac_option=ac_option, seq_len=config.training.seq_len,
     )  # fmt: skip
-    # (Async TP is --compile.enable_async_tensor_parallel on 0.3 and needs --compile.enable, which the
-    # rules below refuse with TP and nano-batches, naming 0.3's flags.)
     if not cfg.enable:
         return 1
     n_nano = nano_batches(cfg)
@@ -99,16 +97,19 @@ def _check(config: "CoreAttentionTrainer.Config", dp_size: int | None) -> int:
     unsupported = (
         # What the nano-batch block with TP (CANanoBlock: the attention's declared redistributions run
         # by the pieces, TP-major rows) is tested with: partial_dtensor, sequence parallel, eager
-        # (with and without PP). The rest stays refused until tested.
+        # (with and without PP) and compiled. The rest stays refused until tested.
         (f"{nano_tp} and --parallelism.spmd_backend={p.spmd_backend}",
          tp > 1 and n_nano > 1 and p.spmd_backend != "partial_dtensor",
          f"--parallelism.spmd_backend partial_dtensor (the registry configs' backend), or {no_nano}", untested),
+        # Async TP (0.3's flag is under --compile) rewrites compiled all-gather + matmul pairs of whole
+        # blocks; the nano-batch block compiles pieces of one.
+        (f"{nano_tp} and --compile.enable_async_tensor_parallel",
+         tp > 1 and n_nano > 1 and config.compile.enable_async_tensor_parallel,
+         f"--compile.no-enable_async_tensor_parallel, or {no_nano}", untested),
         (f"{nano_tp} and --parallelism.no-enable_sequence_parallel",
          tp > 1 and n_nano > 1 and not p.enable_sequence_parallel,
          f"--parallelism.enable_sequence_parallel (the rows of each nano-batch are laid out per sequence shard), "
          f"or {no_nano}", untested),
-        (f"{nano_tp} and --compile.enable", tp > 1 and n_nano > 1 and config.compile.enable,
-         f"--compile.no-enable, or {no_nano}", untested),
         (f"activation-checkpoint:{ac_mode}", ac_mode not in ("none", "selective"),
          "activation-checkpoint:selective or activation-checkpoint:none", on_022),
     )  # fmt: skip
