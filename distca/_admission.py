@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from distca import mesh
-from distca._handles import CallSpec, DispatchPlan, lookup
+from distca._handles import CallSpec, DispatchPlan, live_plans, lookup
 
 logger = logging.getLogger("distca")
 
@@ -74,7 +74,6 @@ def _warn_if_unraised(pg: dist.ProcessGroup, key: int) -> None:
         )
 
 
-@atexit.register
 def _warn_unraised_at_exit() -> None:
     for pending in _UNRAISED.values():
         if pending:
@@ -84,6 +83,19 @@ def _warn_unraised_at_exit() -> None:
                 RuntimeWarning,
                 stacklevel=1,
             )
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Warn of every unraised error, then drop this module's and the live plans' references to
+    their process groups. A gloo group that ``destroy_process_group`` released but a plan still
+    holds would otherwise live, with its worker threads, into interpreter finalization, where a
+    worker releasing a finished collective's tensors can abort the process ("terminate called
+    without an active exception"); released here, it is destroyed while the interpreter is whole."""
+    _warn_unraised_at_exit()
+    _UNRAISED.clear()
+    for dp in live_plans():
+        object.__setattr__(dp, "group", None)  # frozen dataclass; nothing runs on a plan after exit
 
 
 def agree(pg: dist.ProcessGroup, err: str | None, fields: dict[str, int | str], consequence: str | None = None) -> None:

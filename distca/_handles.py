@@ -142,6 +142,11 @@ def is_live(key: int) -> bool:
     return key in _LIVE
 
 
+def live_plans() -> list[DispatchPlan]:
+    """Every plan still alive in this process."""
+    return list(_LIVE.values())
+
+
 def lookup(handle: torch.Tensor) -> DispatchPlan:
     """The live plan of ``handle`` (a host read of one int64: handles are CPU tensors)."""
     key = int(handle.reshape(-1)[0])

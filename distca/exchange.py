@@ -366,6 +366,10 @@ class Exchange:
     def land_bwd(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Home: wait; ``dq`` [T, Hq, D], ``dk``, ``dv`` [kv_rows, Hkv, D], in the inputs' dtype."""
         self._enter("land_bwd")
+        # The last phase: the exchange no longer needs its process group. The autograd graph can keep
+        # this object until interpreter exit, and a gloo group kept alive past destroy_process_group
+        # by it keeps its worker threads into finalization (see _admission._release_at_exit).
+        self.group = None
         m = self.meta
         dq, dk, dv = self._result
         if not m.moves_rows:
