@@ -33,7 +33,9 @@ Per step and rank it records the step time (the trainer's) and where it went: ti
 attention kernels, host time blocked on CA exchanges (``DispatchPlan.stats``), exposed planning
 (waiting for the planning thread and binding), time in every other collective (FSDP2's
 all-gathers and reduce-scatters, loss and norm all-reduces, the once-per-step agreement; the
-call or its ``Work.wait()``), and the rest (linear layers, norms, optimizer, loader); and
+call or its ``Work.wait()``), and the rest (linear layers, norms, optimizer, loader); the CA
+bytes it sent and received (counted at the exchange's all-to-alls) and the CPU seconds of its
+threads other than the main one (gloo's transfer threads, the planning thread); and
 peak memory (``VmHWM`` reset before every step). The summary gives each part per rank as
 min / median / max over the timed repeats, and the share of the zero-overhead bound's gain the
 CAD configuration captured. ``--titan 0.3`` runs the same cycle on torchtitan 0.3's trainer
@@ -214,9 +216,11 @@ _COLLECTIVES = (
 
 def _time_collectives(clock: dict[str, float]) -> None:
     """Add to ``clock["collective"]`` the host seconds spent in collectives other than the CA
-    exchange: a blocking call's duration, an async one's ``Work.wait()`` (FSDP2's all-gathers and
-    reduce-scatters). A call nested in another (``all_gather_object`` runs ``all_gather``) counts
-    once; the exchange's all-to-all works are waited and timed by distca (exposed exchange)."""
+    exchange: a blocking call's duration (distca's agreements, a blocking ``all_to_all_single``,
+    included), an async one's ``Work.wait()`` (FSDP2's all-gathers and reduce-scatters). A call
+    nested in another (``all_gather_object`` runs ``all_gather``) counts once; the exchange's
+    all-to-all works (async) are waited and timed by distca (exposed exchange), and the bytes they
+    move to and from the other ranks are added to ``clock["ca_bytes"]``."""
     import torch.distributed as dist
 
     depth = [0]
@@ -241,8 +245,13 @@ def _time_collectives(clock: dict[str, float]) -> None:
             setattr(dist, name, timed(getattr(dist, name)))
     a2a = dist.all_to_all_single
 
-    def all_to_all_single(*a, **k):
-        work = a2a(*a, **k)
+    timed_a2a = timed(a2a)
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **k):
+        if not k.get("async_op"):  # distca's agreements (distca.mesh): a blocking collective
+            return timed_a2a(output, input, output_split_sizes, input_split_sizes, group, **k)
+        clock["ca_bytes"] += _moved_bytes(output, input, output_split_sizes, input_split_sizes, group)
+        work = a2a(output, input, output_split_sizes, input_split_sizes, group, **k)
         if work is not None:
             ca_works.add(id(work))
         return work
@@ -259,6 +268,21 @@ def _time_collectives(clock: dict[str, float]) -> None:
         return timed_wait(self, *a, **k)
 
     work_cls.wait = wait_for
+
+
+def _moved_bytes(output, input, output_split_sizes, input_split_sizes, group) -> int:
+    """Bytes one ``all_to_all_single`` call sends to and receives from the other ranks (its own
+    slice stays in memory)."""
+    import torch.distributed as dist
+
+    me = dist.get_rank(group)
+    n = dist.get_world_size(group)
+    moved = 0
+    for t, splits in ((input, input_split_sizes), (output, output_split_sizes)):
+        row = t[0].numel() * t.element_size() if t.dim() and t.shape[0] else 0
+        rows = list(splits) if splits else [t.shape[0] // n] * n if t.dim() else [0] * n
+        moved += (sum(rows) - rows[me]) * row
+    return moved
 
 
 def _time_kernels(clock: dict[str, float]) -> None:
@@ -316,7 +340,7 @@ def _bench_trainer(base: type, args: argparse.Namespace, configs: list[str], rec
     import torch
 
     rank_env = int(os.environ["RANK"])
-    clock = {"fwd": 0.0, "bwd": 0.0, "collective": 0.0}
+    clock = {"fwd": 0.0, "bwd": 0.0, "collective": 0.0, "ca_bytes": 0}
     _time_kernels(clock)
     _time_collectives(clock)
     rows: list[dict] = []
@@ -358,10 +382,13 @@ def _bench_trainer(base: type, args: argparse.Namespace, configs: list[str], rec
             profiled = bool(args.profile) and self.step > args.steps - len(configs)
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profiled else None
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            t0 = time.perf_counter()
+            t0, cpu0, main0 = time.perf_counter(), time.process_time(), time.thread_time()
             with prof if prof is not None else contextlib.nullcontext():
                 super().train_step(data_iterator)
             dt = time.perf_counter() - t0
+            # CPU seconds of every thread but this one (gloo's transfer threads, the planning
+            # thread): on a machine whose cores all run ranks' main threads, taken from them.
+            other_cpu = (time.process_time() - cpu0) - (time.thread_time() - main0)
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             if prof is not None:  # an extra last cycle: the profiler's overhead stays out of the timings
                 table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
@@ -373,6 +400,7 @@ def _bench_trainer(base: type, args: argparse.Namespace, configs: list[str], rec
                     "profiled": profiled, "seconds": dt, "minor_faults": faults, "attn_fwd_s": clock["fwd"],
                     "attn_bwd_s": clock["bwd"], "exposed_comm_s": rec.exposed_comm_s or 0.0,
                     "exposed_plan_s": rec.exposed_plan_s, "collective_s": clock["collective"],
+                    "ca_bytes": clock["ca_bytes"], "other_threads_cpu_s": other_cpu,
                     "rss_base_MiB": base_rss, "rss_peak_MiB": _rss("VmHWM"),
                 }
             )  # fmt: skip
@@ -539,6 +567,12 @@ def _breakdown(rs: list[dict], ranks: int) -> dict[str, list[list[float]]]:
     return {k: [[min(x), statistics.median(x), max(x)] for x in v] for k, v in parts.items()}
 
 
+def _spread(rs: list[dict], key: str, ranks: int) -> list[list[float]]:
+    """Per rank: [min, median, max] of ``key`` over the rows ``rs`` (0.0 for rows without it)."""
+    x = [[r.get(key, 0.0) for r in rs if r["rank"] == k] for k in range(ranks)]
+    return [[min(v), statistics.median(v), max(v)] for v in x]
+
+
 def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, configs: list[str]) -> dict:
     """Aggregate the per-step rows of one launch (pure)."""
     by = {}  # (config, batch) -> [row per rank]
@@ -575,6 +609,10 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
             "modelled_loads_per_rank": np.mean([r["loads"] for r in rs if r["rank"] == 0], axis=0).tolist(),
             "modelled_loads_colocated": np.mean([r["loads_colocated"] for r in rs if r["rank"] == 0], axis=0).tolist(),
             "fwd_MiB_per_layer": statistics.median(r["fwd_bytes_per_layer"] for r in rs) / _MiB,
+            # Measured per step: CA bytes each rank sent plus received (every all-to-all of the
+            # exchange, forward and backward), and CPU seconds of its threads other than the main one.
+            "ca_MiB_per_step": [m / _MiB for _, m, _ in _spread(rs, "ca_bytes", ranks)],
+            "other_threads_cpu_s": _spread(rs, "other_threads_cpu_s", ranks),
         }
     # What a perfect balancer with zero overhead could reach on each batch: off's step with
     # its slowest rank's attention replaced by the mean over ranks.
@@ -756,6 +794,10 @@ def main(argv: list[str] | None = None) -> None:
                     for rk in range(args.ranks):
                         cells = [v["breakdown_s_per_rank"][k][rk] for k in BREAKDOWN]
                         print(f"  {c:22} {rk:>4} " + " ".join(f"{m:7.3f} [{lo:.2f}-{hi:.2f}]".rjust(18) for lo, m, hi in cells))
+                print("  CA MiB each rank sent + received per step; CPU s of its threads other than the main one:")
+                for c, v in s["configs"].items():
+                    print(f"  {c:22} " + "  ".join(f"rank {rk}: {mib:8.1f} MiB {cpu[1]:6.3f} s"
+                                                    for rk, (mib, cpu) in enumerate(zip(v["ca_MiB_per_step"], v["other_threads_cpu_s"]))))  # fmt: skip
                 print(f"  PNG: {s.get('png', s.get('png_error'))}")
 
 

@@ -108,6 +108,13 @@ def test_json_contract_end_to_end(tmp_path):
     assert max(s["configs"]["distca"]["exposed_comm_s_per_rank"]) > 0.0
     # FSDP2's all-gathers and reduce-scatters are timed on every rank (the collective hooks work).
     assert all(lo > 0.0 for lo, _, _ in s["configs"]["off"]["breakdown_s_per_rank"]["collectives"])
+    # CA bytes measured at the exchange's all-to-alls: none when nothing moves; with 2 ranks what
+    # one sends the other receives, so both count the same bytes, and at least the planner's
+    # forward bytes (sent and received) of every layer, the backward's coming on top.
+    assert s["configs"]["off"]["ca_MiB_per_step"] == [0.0, 0.0]
+    moved = s["configs"]["distca"]["ca_MiB_per_step"]
+    assert moved[0] == pytest.approx(moved[1])
+    assert sum(moved) > 2 * bt.MODELS["debug"]["dims"]["n_layers"] * s["configs"]["distca"]["fwd_MiB_per_layer"] > 0
 
 
 @pytest.mark.parametrize("workload", ["skewed", "prolong"])
