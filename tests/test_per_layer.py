@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dist_utils import COLLECTIVES, P2P_OPS, count_collectives, run_workers
+from _tp_checks import block_orders, one_order
 
 _READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "cpu")
 
@@ -242,18 +243,6 @@ def test_pingpong_issues_both_dispatches_before_waiting_and_reads_nothing_while_
 # ---- ping-pong with tensor parallelism: the TP and CA collectives' order (4 gloo ranks) ---------
 
 
-def _tp_calls(calls, tp_group, ca_group):
-    """(group role "tp"/"ca", kind, backward, elements) per recorded call: a rank-independent name for
-    each, so that the sequences of all four ranks can be compared."""
-    role = {tuple(tp_group): "tp", tuple(ca_group): "ca"}
-    kind = lambda name: "AG" if "gather" in name else "RS" if "scatter" in name else "A2A" if "all_to_all" in name else name  # noqa: E731
-    out = []
-    for c in calls:
-        r = role.get(c.group, f"other{c.group}")
-        out.append((r, kind(c.name), c.backward, c.numel if r == "tp" else None))
-    return out
-
-
 @pytest.mark.slow
 def test_pingpong_with_tensor_parallel_issues_one_collective_order_on_every_rank():
     """dp_shard 2 x tp 2 (``tests/_tp_nano.py``), one forward and backward of the converted 2-layer
@@ -275,25 +264,20 @@ def test_pingpong_with_tensor_parallel_issues_one_collective_order_on_every_rank
     import _tp_nano
 
     res = run_workers(_tp_nano.worker, 4, ("pingpong", "sequential"), True, timeout=300)
-    seqs = [_tp_calls(r["pingpong"]["calls"], r["tp_group"], r["ca_group"]) for r in res]
-    assert all(s == seqs[0] for s in seqs), [len(s) for s in seqs]
-    seq = seqs[0]
-    assert {r for r, *_ in seq} == {"tp", "ca"}, sorted({r for r, *_ in seq})
-    fwd = [(r, k, n) for r, k, b, n in seq if not b]
-    bwd = [(r, k, n) for r, k, b, n in seq if b]
+    fwd, bwd = one_order(res, "pingpong")
     half = _tp_nano.T // (2 * _tp_nano.TP) * 64  # elements of a nano-batch's local shard [1, T / (2 tp), dim]
-    ag, rs, a2a = ("tp", "AG", half), ("tp", "RS", 2 * half), ("ca", "A2A", None)
-    block = [ag, a2a, a2a, ag, a2a, a2a, a2a, a2a, rs, ag, rs, rs, ag, rs]
+    block, one = block_orders(half)
     layers = 2
-    inner = [c for c in fwd if c[0] == "ca" or c[1:] in (("AG", half), ("RS", 2 * half))]
-    assert inner == block * layers, inner
+
+    def inner(calls):  # the blocks' collectives: the CA ones and the TP ones of a nano-batch's size
+        return [c for c in calls if c[0] == "ca" or c[1:] in (("AG", half), ("RS", 2 * half))]
+
+    assert inner(fwd) == block * layers, fwd
     # Backward: each all-gather's is a reduce-scatter of its gathered rows, each reduce-scatter's an
     # all-gather of the shard: 4 + 4 per block at a nano-batch's size (the embedding's all-gather, at
     # the whole shard's size, and the norms' are outside the blocks).
     assert bwd.count(("tp", "RS", 2 * half)) == 4 * layers and bwd.count(("tp", "AG", half)) == 4 * layers, bwd
     assert sum(c[0] == "ca" for c in bwd) == 2 * 4 * layers, bwd
     # The sequential schedule (nano_batches = 2 without ping-pong) is one order on every rank too.
-    seq_s = [_tp_calls(r["sequential"]["calls"], r["tp_group"], r["ca_group"]) for r in res]
-    assert all(s == seq_s[0] for s in seq_s)
-    one = [ag, a2a, a2a, a2a, rs, ag, rs]
-    assert [c for c in ((r, k, n) for r, k, b, n in seq_s[0] if not b) if c[0] == "ca" or c[1:] in (("AG", half), ("RS", 2 * half))] == one * 2 * layers
+    fwd_s, _ = one_order(res, "sequential")
+    assert inner(fwd_s) == one * 2 * layers, fwd_s

@@ -20,10 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from _titan03 import LANE, REGISTRY, ROOT, scalars
+from _tp_checks import assert_exact, block_orders, one_order
 
 pytestmark = [LANE, pytest.mark.titan03]
 
@@ -208,12 +208,6 @@ def test_pingpong_with_tensor_parallel_matches_the_tp_run(run):
 # Nano-batches with TP against a one-process fp64 reference, and the collectives' order
 # (tests/_titan03_tp_nano.py: dp_shard 2 x tp 2 on 4 gloo workers, torchtitan 0.3's own parallelize).
 
-LOGITS_TOL = 2e-5
-"""Max |logits - reference| over max(1, max |reference|), fp32 model against the fp64 one (0.2.2's)."""
-GRAD_TOL = 1e-4
-"""Max |grad - reference| over max |reference grad|, per parameter (0.2.2's)."""
-
-
 @pytest.fixture(scope="module")
 def tp_nano():
     """One spawn of the 4 workers: ping-pong, sequential nano-batches and the two wrong variants,
@@ -241,27 +235,9 @@ def test_pingpong_with_tensor_parallel_is_exact(tp_nano):
     Measured: logits within 2.0e-6 (max |logits| 4.3-5.5), gradients within 6.1e-7 of each
     reference gradient's max; rows not TP-major miss by 0.34-0.36 (logits) and 1.2 (gradients),
     positions uncut by 0.0073-0.011 and 0.057."""
-    for rank, r in enumerate(tp_nano):
-        assert r["tp_group"] == (rank - rank % 2, rank - rank % 2 + 1) and r["ca_group"] == (rank % 2, rank % 2 + 2)
-        pp, seq = r["pingpong"], r["sequential"]
-        assert pp["moved"] == [True, True], pp["moved"]  # both nano-batches exchange rows
-        assert pp["logits_err"] <= LOGITS_TOL * max(1.0, pp["logits_scale"]), (rank, pp["logits_err"])
-        worst = max(pp["grad_err"].items(), key=lambda kv: kv[1])
-        assert worst[1] <= GRAD_TOL, (rank, worst)
-        assert len(pp["grad_err"]) == 2 * 7 + 3  # every parameter: 7 per block, embeddings, norm, output
-        assert np.array_equal(pp["logits"], seq["logits"]), abs(pp["logits"] - seq["logits"]).max()
-        assert all(np.array_equal(pp["grads"][n], seq["grads"][n]) for n in pp["grads"]), rank
-        for wrong in (r["no_tp_order"], r["uncut_positions"]):  # the same checks fail by an order of magnitude and more
-            assert wrong["logits_err"] > 10 * LOGITS_TOL * max(1.0, wrong["logits_scale"]), (rank, wrong["logits_err"])
-            assert max(wrong["grad_err"].values()) > 100 * GRAD_TOL, (rank, max(wrong["grad_err"].values()))
-
-
-def _tp_calls(calls, tp_group, ca_group) -> list[tuple]:
-    """(group role "tp"/"ca", kind, backward, elements of a TP call) per recorded call, the same
-    names on every rank (as tests/test_per_layer.py's)."""
-    role = {tuple(tp_group): "tp", tuple(ca_group): "ca"}
-    kind = lambda name: "AG" if "gather" in name else "RS" if "scatter" in name else "A2A" if "all_to_all" in name else name  # noqa: E731
-    return [(role.get(c.group, f"other{c.group}"), kind(c.name), c.backward, c.numel if c.group == tuple(tp_group) else None) for c in calls]
+    # 7 parameters per block, embeddings, norm, output; the negative controls (rows not TP-major,
+    # positions not cut per TP shard) fail the same checks by an order of magnitude and more.
+    assert_exact(tp_nano, n_params=2 * 7 + 3, wrong={"no_tp_order": (10.0, 100.0), "uncut_positions": (10.0, 100.0)})
 
 
 @pytest.mark.slow
@@ -280,24 +256,17 @@ def test_pingpong_with_tensor_parallel_issues_one_collective_order_on_every_rank
     values) but the backward issues 16 more TP collectives, which this test refuses."""
     import _titan03_tp_nano as tn
 
-    res = tp_nano
-    seqs = [_tp_calls(r["pingpong"]["calls"], r["tp_group"], r["ca_group"]) for r in res]
-    assert all(s == seqs[0] for s in seqs), [len(s) for s in seqs]
-    seq, layers = seqs[0], tn.LAYERS
-    assert {r for r, *_ in seq} == {"tp", "ca"}, sorted({r for r, *_ in seq})
-    fwd = [(r, k, n) for r, k, b, n in seq if not b]
-    bwd = [(r, k, n) for r, k, b, n in seq if b]
+    fwd, bwd = one_order(tp_nano, "pingpong")
     half = tn.T // (2 * tn.TP) * 256  # elements of a nano-batch's local shard [1, T / (2 tp), dim]
-    ag, rs, a2a = ("tp", "AG", half), ("tp", "RS", 2 * half), ("ca", "A2A", None)
-    block = [ag, a2a, a2a, ag, a2a, a2a, a2a, a2a, rs, ag, rs, rs, ag, rs]
-    assert fwd[1 : 1 + len(block) * layers] == block * layers, fwd
-    assert bwd.count(ag) == 4 * layers and bwd.count(rs) == 4 * layers, bwd
-    assert bwd.count(a2a) == 2 * 4 * layers, bwd
+    block, one = block_orders(half)
+    layers = tn.LAYERS
+    assert fwd[1 : 1 + len(block) * layers] == block * layers, fwd  # after the embedding's all-gather
+    assert bwd.count(("tp", "AG", half)) == 4 * layers and bwd.count(("tp", "RS", 2 * half)) == 4 * layers, bwd
+    assert bwd.count(("ca", "A2A", None)) == 2 * 4 * layers, bwd
     assert sum(c[0] == "tp" for c in bwd) == 8 * layers + 2, bwd
-    seq_s = [_tp_calls(r["sequential"]["calls"], r["tp_group"], r["ca_group"]) for r in res]
-    assert all(s == seq_s[0] for s in seq_s)
-    one = [ag, a2a, a2a, a2a, rs, ag, rs]
-    assert [(r, k, n) for r, k, b, n in seq_s[0] if not b][1 : 1 + len(one) * 2 * layers] == one * 2 * layers
+    # The sequential schedule (nano_batches = 2 without ping-pong) is one order on every rank too.
+    fwd_s, _ = one_order(tp_nano, "sequential")
+    assert fwd_s[1 : 1 + len(one) * 2 * layers] == one * 2 * layers, fwd_s
 
 
 # ---- torch.compile ------------------------------------------------------------------------------
