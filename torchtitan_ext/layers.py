@@ -22,43 +22,11 @@ from torchtitan.models.llama3.model.model import apply_rotary_emb
 
 import distca
 from distca import pingpong
-from torchtitan_ext.clock import mark
+from torchtitan_ext.clock import timed
 from torchtitan_ext.config import CoreAttention
 from torchtitan_ext.planning import StepPlan, interleaves
 
 __all__ = ["CoreAttentionModule"]
-
-
-# ---- timing (eager only; the clock marks: torchtitan_ext.clock) ---------------------------------
-
-
-class _BackwardEnd(torch.autograd.Function):
-    """Identity on (q, k, v); its backward runs after core attention's backward."""
-
-    @staticmethod
-    def forward(ctx, box, q, k, v):
-        ctx.box = box
-        return q.view_as(q), k.view_as(k), v.view_as(v)
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        ctx.box["end"] = mark(dq.device)
-        ctx.box["step"].attn_events.append(("bwd", ctx.box["start"], ctx.box["end"]))
-        return None, dq, dk, dv
-
-
-class _BackwardStart(torch.autograd.Function):
-    """Identity on the output; its backward runs just before core attention's backward."""
-
-    @staticmethod
-    def forward(ctx, box, out):
-        ctx.box = box
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, dout):
-        ctx.box["start"] = mark(dout.device)
-        return None, dout
 
 
 # ---- the module ----------------------------------------------------------------------------
@@ -86,19 +54,13 @@ class CoreAttentionModule(nn.Module):
             )
         if not step.plans:  # StepPlan.shapes_only(): torch pipelining's shape inference
             return q * 0.0
-        timed = not torch.compiler.is_compiling() and torch.is_grad_enabled()
-        if timed:
-            box = {"step": step}
-            q, k, v = _BackwardEnd.apply(box, q, k, v)
-            t0 = mark(q.device)
-        out = distca.core_attention(
-            q, k, v, None, plan=step.plans[0], softmax_scale=scale, mode=step.mode, backend=self.backend,
-            backward_plan=step.backward_plans[0] if step.backward_plans else None,
-        )  # [T, Hq, D]
-        if timed:
-            step.attn_events.append(("fwd", t0, mark(q.device)))
-            out = _BackwardStart.apply(box, out)
-        return out
+        def op(q, k, v):  # [T, Hq, D]
+            return distca.core_attention(
+                q, k, v, None, plan=step.plans[0], softmax_scale=scale, mode=step.mode, backend=self.backend,
+                backward_plan=step.backward_plans[0] if step.backward_plans else None,
+            )
+
+        return timed(step.attn_events, op, q, k, v)
 
 
 def _qkv(attn: nn.Module, h: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor | None):

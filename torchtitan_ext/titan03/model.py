@@ -35,41 +35,12 @@ from torchtitan.protocols.sharding import resolve_placements
 
 import distca
 from distca import pingpong
-from torchtitan_ext.clock import mark
+from torchtitan_ext.clock import timed
 from torchtitan_ext.config import CoreAttention, nano_batches
 from torchtitan_ext.data import nano_positions
 from torchtitan_ext.planning import StepPlan, interleaves
 
 __all__ = ["CANanoBlock", "CARoPE", "CASelectiveAC", "CoreAttentionModule", "convert", "kernel_backend"]
-
-
-class _MarkAfterBackward(torch.autograd.Function):
-    """Identity on (q, k, v) before the op: its backward runs once the op's backward is done, and
-    closes the backward interval opened by :class:`_MarkBeforeBackward`."""
-
-    @staticmethod
-    def forward(ctx, times: dict, q, k, v):
-        ctx.times = times
-        return q.view_as(q), k.view_as(k), v.view_as(v)
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        ctx.times["step"].attn_events.append(("bwd", ctx.times["bwd_start"], mark(dq.device)))
-        return None, dq, dk, dv
-
-
-class _MarkBeforeBackward(torch.autograd.Function):
-    """Identity on the op's output: its backward runs just before the op's backward starts."""
-
-    @staticmethod
-    def forward(ctx, times: dict, out):
-        ctx.times = times
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, dout):
-        ctx.times["bwd_start"] = mark(dout.device)
-        return None, dout
 
 
 class CoreAttentionModule(Module):
@@ -117,23 +88,19 @@ class CoreAttentionModule(Module):
         if not step.plans:  # StepPlan.shapes_only(): torch pipelining's shape inference, no communication
             return q_BLNH * 0.0
         q_TNH, k_TNH, v_TNH = q_BLNH[0], k_BLNH[0], v_BLNH[0]
-        # Clock marks (eager only: torch.compile would skip these Python side effects) around the op,
-        # forward and backward; the trainer sums them per step (StepPlan.attention_seconds).
-        timed = not torch.compiler.is_compiling() and torch.is_grad_enabled()
-        if timed:
-            times = {"step": step}
-            q_TNH, k_TNH, v_TNH = _MarkAfterBackward.apply(times, q_TNH, k_TNH, v_TNH)
-            t0 = mark(q_TNH.device)
-        # distca's op is rank-local (its all-to-alls move rows between the ranks of the CA group),
-        # like torchtitan's varlen op, so it runs outside spmd_types' checking; its output has q's type.
-        with spmd.no_typecheck():
-            out_TNH = distca.core_attention(
-                q_TNH, k_TNH, v_TNH, None, plan=step.plans[0], softmax_scale=scale, mode=step.mode,
-                backend=self.backend, backward_plan=step.backward_plans[0] if step.backward_plans else None,
-            )  # fmt: skip
-        if timed:
-            step.attn_events.append(("fwd", t0, mark(out_TNH.device)))
-            out_TNH = _MarkBeforeBackward.apply(times, out_TNH)
+
+        def op(q, k, v):
+            # distca's op is rank-local (its all-to-alls move rows between the ranks of the CA group),
+            # like torchtitan's varlen op, so it runs outside spmd_types' checking; its output has q's type.
+            with spmd.no_typecheck():
+                return distca.core_attention(
+                    q, k, v, None, plan=step.plans[0], softmax_scale=scale, mode=step.mode,
+                    backend=self.backend, backward_plan=step.backward_plans[0] if step.backward_plans else None,
+                )  # fmt: skip
+
+        # Clock marks around the op, forward and backward (eager only); the trainer sums them per
+        # step (StepPlan.attention_seconds).
+        out_TNH = timed(step.attn_events, op, q_TNH, k_TNH, v_TNH)
         if get_spmd_backend() == "spmd_types" and spmd.is_type_checking():
             spmd.assert_type(out_TNH, spmd.get_local_type(q_BLNH), get_partition_spec(q_BLNH))
         return out_TNH.unsqueeze(0)  # [1, L, Nq, H]
