@@ -275,13 +275,12 @@ def _moved_bytes(output, input, output_split_sizes, input_split_sizes, group) ->
     slice stays in memory)."""
     import torch.distributed as dist
 
-    me = dist.get_rank(group)
-    n = dist.get_world_size(group)
+    me, n = dist.get_rank(group), dist.get_world_size(group)
     moved = 0
     for t, splits in ((input, input_split_sizes), (output, output_split_sizes)):
-        row = t[0].numel() * t.element_size() if t.dim() and t.shape[0] else 0
-        rows = list(splits) if splits else [t.shape[0] // n] * n if t.dim() else [0] * n
-        moved += (sum(rows) - rows[me]) * row
+        if t.numel():
+            own = splits[me] if splits else t.shape[0] // n  # no split sizes: equal slices
+            moved += (t.shape[0] - own) * (t.numel() // t.shape[0]) * t.element_size()
     return moved
 
 
@@ -564,13 +563,17 @@ def _breakdown(rs: list[dict], ranks: int) -> dict[str, list[list[float]]]:
         got["rest"] = got["step"] - sum(v for k, v in got.items() if k != "step")
         for k, v in got.items():
             parts[k][r["rank"]].append(v)
-    return {k: [[min(x), statistics.median(x), max(x)] for x in v] for k, v in parts.items()}
+    return {k: [_spread(x) for x in v] for k, v in parts.items()}
 
 
-def _spread(rs: list[dict], key: str, ranks: int) -> list[list[float]]:
-    """Per rank: [min, median, max] of ``key`` over the rows ``rs`` (0.0 for rows without it)."""
-    x = [[r.get(key, 0.0) for r in rs if r["rank"] == k] for k in range(ranks)]
-    return [[min(v), statistics.median(v), max(v)] for v in x]
+def _spread(x: list[float]) -> list[float]:
+    """[min, median, max] of ``x``."""
+    return [min(x), statistics.median(x), max(x)]
+
+
+def _spread_per_rank(rs: list[dict], key: str, ranks: int) -> list[list[float]]:
+    """Per rank: :func:`_spread` of ``key`` over the rows ``rs`` (0.0 for rows without it)."""
+    return [_spread([r.get(key, 0.0) for r in rs if r["rank"] == k]) for k in range(ranks)]
 
 
 def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, configs: list[str]) -> dict:
@@ -599,7 +602,7 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
             "breakdown_s_per_rank": _breakdown(rs, ranks),
             "tokens_per_s_median": tokens / statistics.median(step_s(c, b) for b in batches),
             "step_s_median": statistics.median(step_s(c, b) for b in batches),
-            "speedup_vs_off": [min(ratios), statistics.median(ratios), max(ratios)] if ratios else None,
+            "speedup_vs_off": _spread(ratios) if ratios else None,
             "attention_s_per_rank": attn,
             "exposed_comm_s_per_rank": per_rank("exposed_comm_s"),
             "step_peak_MiB_per_rank": peak,
@@ -611,8 +614,8 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
             "fwd_MiB_per_layer": statistics.median(r["fwd_bytes_per_layer"] for r in rs) / _MiB,
             # Measured per step: CA bytes each rank sent plus received (every all-to-all of the
             # exchange, forward and backward), and CPU seconds of its threads other than the main one.
-            "ca_MiB_per_step": [m / _MiB for _, m, _ in _spread(rs, "ca_bytes", ranks)],
-            "other_threads_cpu_s": _spread(rs, "other_threads_cpu_s", ranks),
+            "ca_MiB_per_step": [m / _MiB for _, m, _ in _spread_per_rank(rs, "ca_bytes", ranks)],
+            "other_threads_cpu_s": _spread_per_rank(rs, "other_threads_cpu_s", ranks),
         }
     # What a perfect balancer with zero overhead could reach on each batch: off's step with
     # its slowest rank's attention replaced by the mean over ranks.
@@ -641,7 +644,7 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
         "speedup_min": head[0],
         "speedup_max": head[2],
         # min / median / max over batches of the zero-overhead bound (see above)
-        "speedup_bound": [min(bound), statistics.median(bound), max(bound)] if bound else None,
+        "speedup_bound": _spread(bound) if bound else None,
         "bound_gain_captured": per[headline]["bound_gain_captured"],
         "repeats": len(batches),
         "imbalance_before": max(loads0) / statistics.mean(loads0),
