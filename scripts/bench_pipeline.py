@@ -17,10 +17,17 @@ the time it waited for exchanges; and the live bytes autograd saved for backward
 the activation memory the schedule keeps). Reported: tokens/s min/median/max over steps; per
 sub-tick the max/mean across stages of compute time (active stages) and of attention time (all
 stages: an idle stage serves in CAD); the peak activation memory per stage; the measured idle
-fraction; a zero-overhead bound computed like ``bench_train``'s (off's step with every tick's
-attention spread evenly over both stages); and where the bound's gain went, per configuration
-and step (seconds of the slowest rank): exposed exchange (waits), attention-kernel inflation
-over ``off``'s, exposed planning, and the rest (bubbles, P2P, the host's contention).
+fraction; and a zero-overhead bound: the tick-synchronous step with off's own per-micro-batch
+work in which every sub-tick's attention is spread evenly over both stages and nothing moves
+(``ideal_ticks``; the faster of the two tick orders). torch's GPipe (``off``) runs its stages
+asynchronously, so its step is shorter than the sum of its ticks' slowest stages; a bound built
+by subtracting per-tick savings from off's step would count that overlap twice. Where a tick
+configuration's step went (medians over steps), against the ideal of its own schedule, sub-tick
+by sub-tick on the stage that worked longest: attention over the ideal's (imbalance, kernel
+inflation), other work over the ideal's (linear layers, the exchange's copies), and the waits left
+on that path (exposed exchange, P2P, planning, the optimizer). Also per step on the slowest rank:
+all it waited in exchanges (bubbles and a slower peer included), kernel inflation over ``off``'s,
+exposed planning.
 
     python scripts/bench_pipeline.py                 # table, ~6 min on 2 cores at T 4096
     python scripts/bench_pipeline.py --json
@@ -36,6 +43,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -251,16 +259,24 @@ def sub_ticks(config: str, M: int, stage: int) -> list[tuple[str, int]]:
     """(kind, position) of each of ``stage``'s sub-ticks in order, idle ones included: "fwd"/"bwd"
     and the sub-tick's position in the step (pure). TickGPipe: forward sub-ticks 0 .. n - 1, then
     backward n .. 2n - 1; Tick1F1B: tick k's forward 2k, backward 2k + 1."""
+    return [key for _, key in _placed_ticks(_schedule(config), M, stage)]
+
+
+def _placed_ticks(schedule: str, M: int, stage: int) -> list[tuple[Any, tuple[str, int]]]:
+    """``stage``'s sub-ticks under ``schedule`` with their (kind, position) keys (:func:`sub_ticks`)."""
     from torchtitan_ext.ticks import stage_ticks
 
-    sched = CONFIGS[config]["schedule"]
-    if sched == "GPipe":
-        sched = "TickGPipe"
-    ticks = stage_ticks(sched, M, STAGES, stage)
-    if sched == "TickGPipe":
+    ticks = stage_ticks(schedule, M, STAGES, stage)
+    if schedule == "TickGPipe":
         n = M + STAGES - 1
-        return [("fwd", t.plan) if t.kind == "F" else ("bwd", n + (n - 1 - t.plan)) for t in ticks]
-    return [("fwd" if t.kind == "F" else "bwd", 2 * t.plan + (t.kind == "B")) for t in ticks]
+        return [(t, ("fwd", t.plan) if t.kind == "F" else ("bwd", n + (n - 1 - t.plan))) for t in ticks]
+    return [(t, ("fwd" if t.kind == "F" else "bwd", 2 * t.plan + (t.kind == "B"))) for t in ticks]
+
+
+def _schedule(config: str) -> str:
+    """The tick order ``config`` runs (torch's GPipe is placed where TickGPipe runs it)."""
+    sched = CONFIGS[config]["schedule"]
+    return "TickGPipe" if sched == "GPipe" else sched
 
 
 def ticks(rows: list[dict], config: str, M: int) -> dict[int, dict[tuple[str, int], tuple[list[float], ...]]]:
@@ -289,18 +305,66 @@ def ticks(rows: list[dict], config: str, M: int) -> dict[int, dict[tuple[str, in
     return out
 
 
+def _off_work(rows: list[dict], step: int) -> dict[tuple[int, str, int], tuple[float, float]]:
+    """(stage, "fwd"/"bwd", micro-batch) -> (seconds outside attention, attention seconds) of
+    ``off``'s ``step``: each micro-batch's own work, no waits (torch's GPipe records no idle sub-tick)."""
+    return {
+        (r["rank"], kind, m): (sec - att - w, att)
+        for r in rows if r["step"] == step for kind, m, sec, att, w in r["segments"]
+    }  # fmt: skip
+
+
+def ideal_ticks(off_rows: list[dict], step: int, schedule: str, M: int) -> dict[tuple[str, int], tuple[float, float]]:
+    """The zero-overhead tick-synchronous step of ``schedule`` (pure): per sub-tick (the keys of
+    :func:`ticks`) ``(max over active stages of off's work outside attention, the sub-tick's
+    attention / stages)``: every sub-tick's attention spread evenly over all stages (idle ones
+    serve), nothing moved, no kernel slower than ``off``'s. Its step is the sum of both parts."""
+    work = _off_work(off_rows, step)
+    per: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
+    for s in range(STAGES):
+        for t, key in _placed_ticks(schedule, M, s):
+            if t.microbatch is None:
+                continue
+            lin, att = work[(s, "fwd" if t.kind == "F" else "bwd", t.microbatch)]
+            lins, atts = per.setdefault(key, ([], []))
+            lins.append(lin)
+            atts.append(att)
+    return {k: (max(lins), sum(atts) / STAGES) for k, (lins, atts) in per.items()}
+
+
+def critical_work(rows: list[dict], config: str, M: int, step: int) -> dict[tuple[str, int], tuple[float, float]]:
+    """Per sub-tick of a tick-synchronous ``config`` (pure): ``(work, attention)`` seconds of the
+    stage that worked longest in it, work being the sub-tick's seconds minus what it waited in
+    exchanges (idle stages' serving included)."""
+    per: dict[tuple[str, int], tuple[float, float]] = {}
+    for r in rows:
+        if r["step"] != step:
+            continue
+        for key, (_, _, sec, att, w) in zip(sub_ticks(config, M, r["rank"]), r["segments"]):
+            if sec - w > per.get(key, (-1.0, 0.0))[0]:
+                per[key] = (sec - w, att)
+    return per
+
+
 def summarize(rows_by: dict[str, list[dict]], M: int, T: int) -> dict:
     res: dict = {"microbatches": M, "tokens": T, "stages": STAGES,
                  "schedule_bubble": (STAGES - 1) / (M + STAGES - 1), "configs": {}}  # fmt: skip
     steps = sorted({r["step"] for r in rows_by["off"]})[2:]  # 1-2: warm-up
     step_s = {c: {s: max(r["seconds"] for r in rows if r["step"] == s) for s in steps} for c, rows in rows_by.items()}
     tokens = M * T
+    off_rows = rows_by["off"]
+    # The zero-overhead step per tick schedule and step (ideal_ticks); the bound takes the faster one.
+    ideal = {
+        sched: {s: ideal_ticks(off_rows, s, sched, M) for s in steps} for sched in ("TickGPipe", "Tick1F1B")
+    }  # fmt: skip
+    ideal_s = {sched: {s: sum(a + b for a, b in v[s].values()) for s in steps} for sched, v in ideal.items()}
+    bound_s = {s: min(ideal_s[sched][s] for sched in ideal_s) for s in steps}
 
     def per_step(rows, s, f):
         """Max over ranks of f(row) at step s."""
         return max(f(r) for r in rows if r["step"] == s)
 
-    off_attn = {s: per_step(rows_by["off"], s, lambda r: sum(g[3] for g in r["segments"])) for s in steps}
+    off_attn = {s: per_step(off_rows, s, lambda r: sum(g[3] for g in r["segments"])) for s in steps}
     for c, rows in rows_by.items():
         tk = ticks(rows, c, M)
         comp_spread, attn_spread, busy = [], [], []
@@ -316,14 +380,27 @@ def summarize(rows_by: dict[str, list[dict]], M: int, T: int) -> dict:
         tps = [tokens / step_s[c][s] for s in steps]
         mem = [statistics.median([r["saved_peak_bytes"] for r in rows if r["rank"] == k and r["step"] in steps])
                for k in range(STAGES)]  # fmt: skip
-        # Where the step's time went beyond off's, per step (slowest rank's seconds).
+        # Per step (slowest rank): what the ranks waited in exchanges (bubbles and a slower peer's
+        # work included: a wait is all a rank sees), the kernels' time over off's, exposed planning.
         br = {
-            "exposed_exchange_s": [per_step(rows, s, lambda r: sum(g[4] for g in r["segments"])) for s in steps],
+            "exchange_wait_s": [per_step(rows, s, lambda r: sum(g[4] for g in r["segments"])) for s in steps],
             "attention_kernel_inflation_s": [
                 per_step(rows, s, lambda r: sum(g[3] for g in r["segments"])) - off_attn[s] for s in steps
             ],
             "exposed_planning_s": [per_step(rows, s, lambda r: r["exposed_plan_s"]) for s in steps],
         }
+        if CONFIGS[c]["schedule"] != "GPipe":
+            # The step against its own schedule's ideal, sub-tick by sub-tick on the critical stage:
+            # step = ideal + attention over the ideal's + other work over the ideal's + waits.
+            sched = _schedule(c)
+            att_over, other_over, waits = [], [], []
+            for s in steps:
+                crit, ide = critical_work(rows, c, M, s), ideal[sched][s]
+                att_over.append(sum(a - ide.get(k, (0.0, 0.0))[1] for k, (_, a) in crit.items()))
+                other_over.append(sum(w - a - ide.get(k, (0.0, 0.0))[0] for k, (w, a) in crit.items()))
+                waits.append(step_s[c][s] - sum(w for w, _ in crit.values()))
+            br |= {"ideal_s": [ideal_s[sched][s] for s in steps], "attention_over_ideal_s": att_over,
+                   "other_work_over_ideal_s": other_over, "critical_waits_s": waits}  # fmt: skip
         res["configs"][c] = {
             "tokens_per_s": [min(tps), statistics.median(tps), max(tps)],
             "speedup_vs_off": [min(sp), statistics.median(sp), max(sp)],
@@ -334,22 +411,12 @@ def summarize(rows_by: dict[str, list[dict]], M: int, T: int) -> dict:
             "step_s": statistics.median(step_s[c][s] for s in steps),
             "breakdown_s": {k: statistics.median(v) for k, v in br.items()},
         }
-    # Zero-overhead bound: off's step minus, per tick, what spreading the tick's attention evenly
-    # over both stages would save on the tick's slowest stage.
-    tk = ticks(rows_by["off"], "off", M)
-    bound, bound_s = [], []
-    for s in steps:
-        save = 0.0
-        for comp, at, _ in tk[s].values():
-            lin = [c_ - a_ for c_, a_ in zip(comp, at)]  # 0 on an idle stage
-            save += max(comp) - (max(lin) + sum(at) / STAGES)
-        bound.append(step_s["off"][s] / (step_s["off"][s] - save))
-        bound_s.append(step_s["off"][s] - save)
+    bound = [step_s["off"][s] / bound_s[s] for s in steps]
     res["speedup_bound"] = [min(bound), statistics.median(bound), max(bound)]
-    off_s, ideal_s = statistics.median(step_s["off"][s] for s in steps), statistics.median(bound_s)
+    off_s, best_s = statistics.median(step_s["off"][s] for s in steps), statistics.median(bound_s.values())
     for c, v in res["configs"].items():
         # Share of the bound's gain (off's step down to the ideal one) this configuration captured.
-        v["bound_gain_captured"] = (off_s - v["step_s"]) / (off_s - ideal_s) if off_s > ideal_s else None
+        v["bound_gain_captured"] = (off_s - v["step_s"]) / (off_s - best_s) if off_s > best_s else None
     return res
 
 
@@ -380,16 +447,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"pp {STAGES}, {a.microbatches} micro-batches x {a.tokens} tokens; schedule bubble {s['schedule_bubble']:.2f}; "
           f"zero-overhead bound {b[0]:.2f}/{b[1]:.2f}/{b[2]:.2f}; {s['wall_s']} s")  # fmt: skip
     print(f"  {'config':21} {'tok/s min/med/max':>20} {'speedup':>15} {'gain':>5} {'compute':>8} {'attn':>6} "
-          f"{'idle':>5} {'act MiB/stage':>14} {'exch s':>7} {'kern+ s':>7} {'plan s':>6}")  # fmt: skip
+          f"{'idle':>5} {'act MiB/stage':>14} {'wait s':>7} {'kern+ s':>7} {'plan s':>6} "
+          f"{'ideal s':>7} {'+attn s':>7} {'+other s':>8} {'+wait s':>7}")  # fmt: skip
     for c, v in s["configs"].items():
         f = lambda xs: "/".join(f"{x:.2f}" if x < 100 else f"{x:.0f}" for x in xs)  # noqa: E731
         cm, am = v["subtick_compute_max_over_mean"], v["subtick_attention_max_over_mean"]
         g, br = v["bound_gain_captured"], v["breakdown_s"]
+        path = "".join(f" {br[k]:{w}.2f}" if k in br else f" {'-':>{w}}" for k, w in
+                       (("ideal_s", 7), ("attention_over_ideal_s", 7), ("other_work_over_ideal_s", 8), ("critical_waits_s", 7)))  # fmt: skip
         print(f"  {c:21} {f(v['tokens_per_s']):>20} {f(v['speedup_vs_off']):>15} {g if g is not None else float('nan'):5.2f} "
               f"{cm or float('nan'):8.3f} {am or float('nan'):6.3f} {v['idle_fraction']:5.2f} "
-              f"{'/'.join(f'{m:.0f}' for m in v['activation_peak_MiB_per_stage']):>14} {br['exposed_exchange_s']:7.2f} "
-              f"{br['attention_kernel_inflation_s']:7.2f} {br['exposed_planning_s']:6.2f}")  # fmt: skip
-
+              f"{'/'.join(f'{m:.0f}' for m in v['activation_peak_MiB_per_stage']):>14} {br['exchange_wait_s']:7.2f} "
+              f"{br['attention_kernel_inflation_s']:7.2f} {br['exposed_planning_s']:6.2f}{path}")  # fmt: skip
 
 if __name__ == "__main__":
     main()
