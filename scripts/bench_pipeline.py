@@ -19,11 +19,12 @@ sub-tick the max/mean across stages of compute time (active stages) and of atten
 stages: an idle stage serves in CAD); the peak activation memory per stage; the measured idle
 fraction; and a zero-overhead bound: the tick-synchronous step with off's own per-micro-batch
 work in which every sub-tick's attention is spread evenly over both stages and nothing moves
-(``ideal_ticks``; the faster of the two tick orders). torch's GPipe (``off``) runs its stages
-asynchronously, so its step is shorter than the sum of its ticks' slowest stages; a bound built
-by subtracting per-tick savings from off's step would count that overlap twice. Where a tick
-configuration's step went (medians over steps), against the ideal of its own schedule, sub-tick
-by sub-tick on the stage that worked longest: attention over the ideal's (imbalance, kernel
+(``ideal_ticks``; the faster of the two tick orders); "gain" is the share of its gain a
+configuration captured, (median speedup - 1) / (median bound - 1). torch's GPipe (``off``) runs
+its stages asynchronously, so its step is shorter than the sum of its ticks' slowest stages; a
+bound built by subtracting per-tick savings from off's step would count that overlap twice.
+Where a tick configuration's step went (medians over steps), against the ideal of its own
+schedule, sub-tick by sub-tick on the stage that worked longest: attention over the ideal's (imbalance, kernel
 inflation), other work over the ideal's (linear layers, the exchange's copies), and the waits left
 on that path (exposed exchange, P2P, planning, the optimizer). Also per step on the slowest rank:
 all it waited in exchanges (bubbles and a slower peer included), kernel inflation over ``off``'s,
@@ -413,10 +414,11 @@ def summarize(rows_by: dict[str, list[dict]], M: int, T: int) -> dict:
         }
     bound = [step_s["off"][s] / bound_s[s] for s in steps]
     res["speedup_bound"] = [min(bound), statistics.median(bound), max(bound)]
-    off_s, best_s = statistics.median(step_s["off"][s] for s in steps), statistics.median(bound_s.values())
     for c, v in res["configs"].items():
-        # Share of the bound's gain (off's step down to the ideal one) this configuration captured.
-        v["bound_gain_captured"] = (off_s - v["step_s"]) / (off_s - best_s) if off_s > best_s else None
+        # Share of the bound's gain this configuration captured, as bench_train reports it:
+        # (median speedup - 1) / (median bound - 1).
+        gain = res["speedup_bound"][1] - 1
+        v["bound_gain_captured"] = (v["speedup_vs_off"][1] - 1) / gain if gain > 0 else None
     return res
 
 

@@ -101,4 +101,4 @@ def test_breakdown_adds_up_to_the_step_along_the_critical_stages():
     assert br["critical_waits_s"] == pytest.approx(16.0 - (6 * 2.75 + 2 * 0.5))
     parts = br["ideal_s"] + br["attention_over_ideal_s"] + br["other_work_over_ideal_s"] + br["critical_waits_s"]
     assert parts == pytest.approx(16.0)
-    assert v["bound_gain_captured"] == pytest.approx((20 - 16) / (20 - 12.5))
+    assert v["bound_gain_captured"] == pytest.approx((20 / 16 - 1) / (20 / 12.5 - 1))
