@@ -28,10 +28,17 @@ schedule, sub-tick by sub-tick on the stage that worked longest: attention over 
 inflation), other work over the ideal's (linear layers, the exchange's copies), and the waits left
 on that path (exposed exchange, P2P, planning, the optimizer). Also per step on the slowest rank:
 all it waited in exchanges (bubbles and a slower peer included), kernel inflation over ``off``'s,
-exposed planning.
+exposed planning, the MiB its exchanges moved to and from the other rank and the CPU seconds of its
+threads other than the main one (gloo's transfers, planning): on 2 cores, CPU the model's compute
+loses.
 
     python scripts/bench_pipeline.py                 # table, ~6 min on 2 cores at T 4096
     python scripts/bench_pipeline.py --json
+    python scripts/bench_pipeline.py --tokens 8192 --steps 3 --repeats 3 --configs off per_doc_cp distca_1f1b_pingpong
+
+With ``--repeats R`` every config runs ``R`` times, interleaved with the others; speedups pair each
+step with ``off``'s same step of the same repeat (the same batch, minutes apart), and min / median /
+max run over all repeats' timed steps.
 """
 
 from __future__ import annotations
@@ -58,6 +65,10 @@ CONFIGS = {
 }
 SHORT_DOC = 256
 STAGES = 2
+WARMUP = 2
+"""Steps of each launch left out of the figures (start-up, first plans, allocator growth)."""
+REPEAT_STRIDE = 1000
+"""Repeat ``r``'s step ``s`` is numbered ``r * REPEAT_STRIDE + s`` (``--repeats``)."""
 
 
 def micro_docs(m: int, batch: int, t: int) -> list[int]:
@@ -145,6 +156,19 @@ def _worker(a: argparse.Namespace) -> None:
 
     ExchangeStats.time_wait = timed_wait
 
+    import torch.distributed as dist
+    from bench_train import _moved_bytes
+
+    ca_bytes = [0]
+    a2a = dist.all_to_all_single
+
+    def counted_a2a(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **k):
+        if k.get("async_op"):  # the exchange's (distca's agreements are blocking)
+            ca_bytes[0] += _moved_bytes(output, input, output_split_sizes, input_split_sizes, group)
+        return a2a(output, input, output_split_sizes, input_split_sizes, group, **k)
+
+    dist.all_to_all_single = counted_a2a
+
     storages: dict[int, list[int]] = {}  # storage -> [tensors saved from it, its bytes]
     params: set[int] = set()  # parameter storages: weights, not activations
 
@@ -217,12 +241,17 @@ def _worker(a: argparse.Namespace) -> None:
         def train_step(self, data_iterator):
             segments.clear()
             saved["peak"] = saved["live"]
-            t0 = time.perf_counter()
+            ca_bytes[0] = 0
+            t0, cpu0, main0 = time.perf_counter(), time.process_time(), time.thread_time()
             super().train_step(data_iterator)
+            # CPU seconds of the threads but this one (gloo's transfer threads, the planning thread):
+            # on 2 cores running 2 ranks' main threads, taken from the model's compute.
+            other_cpu = (time.process_time() - cpu0) - (time.thread_time() - main0)
             ca = self.run_stats.rows[-1] if self.run_stats.rows else {}
             rows.append({"step": self.step, "rank": rank, "seconds": time.perf_counter() - t0,
                          "segments": list(segments), "saved_peak_bytes": saved["peak"],
-                         "exposed_plan_s": ca.get("ca/exposed_plan_ms", 0.0) / 1e3})  # fmt: skip
+                         "exposed_plan_s": ca.get("ca/exposed_plan_ms", 0.0) / 1e3, "ca_bytes": ca_bytes[0],
+                         "other_threads_cpu_s": other_cpu})  # fmt: skip
 
         def close(self):
             (Path(a.out) / f"rank{rank}.json").write_text(json.dumps(rows))
@@ -242,7 +271,7 @@ def _launch(config: str, a: argparse.Namespace, out: Path) -> list[dict]:
         "--local-ranks-filter", "0", __file__, "--job.config_file", str(ROOT / "train_configs/debug_cpu_pp.toml"),
         "--model.hf_assets_path", str(ROOT / "torchtitan_ext/assets/tokenizer"),
         "--training.seq_len", str(a.tokens), "--training.local_batch_size", str(a.microbatches),
-        "--training.steps", str(a.steps + 2), "--training.dataset", "synthetic_pretrain",
+        "--training.steps", str(a.steps + WARMUP), "--training.dataset", "synthetic_pretrain",
         "--parallelism.pipeline_parallel_schedule", c["schedule"], "--core_attention.policy", c["policy"],
         "--core_attention.across_stages" if c["across"] else "--core_attention.no-across_stages",
         "--core_attention.pingpong" if c.get("pingpong") else "--core_attention.no-pingpong",
@@ -350,7 +379,7 @@ def critical_work(rows: list[dict], config: str, M: int, step: int) -> dict[tupl
 def summarize(rows_by: dict[str, list[dict]], M: int, T: int) -> dict:
     res: dict = {"microbatches": M, "tokens": T, "stages": STAGES,
                  "schedule_bubble": (STAGES - 1) / (M + STAGES - 1), "configs": {}}  # fmt: skip
-    steps = sorted({r["step"] for r in rows_by["off"]})[2:]  # 1-2: warm-up
+    steps = sorted(s for s in {r["step"] for r in rows_by["off"]} if s % REPEAT_STRIDE > WARMUP)
     step_s = {c: {s: max(r["seconds"] for r in rows if r["step"] == s) for s in steps} for c, rows in rows_by.items()}
     tokens = M * T
     off_rows = rows_by["off"]
@@ -389,6 +418,10 @@ def summarize(rows_by: dict[str, list[dict]], M: int, T: int) -> dict:
                 per_step(rows, s, lambda r: sum(g[3] for g in r["segments"])) - off_attn[s] for s in steps
             ],
             "exposed_planning_s": [per_step(rows, s, lambda r: r["exposed_plan_s"]) for s in steps],
+            # The CPU the bytes cost on this host (max over ranks): moved by the exchange and the
+            # other threads' CPU seconds (older rows lack them).
+            "ca_MiB": [per_step(rows, s, lambda r: r.get("ca_bytes", 0) / (1 << 20)) for s in steps],
+            "other_threads_cpu_s": [per_step(rows, s, lambda r: r.get("other_threads_cpu_s", 0.0)) for s in steps],
         }
         if CONFIGS[c]["schedule"] != "GPipe":
             # The step against its own schedule's ideal, sub-tick by sub-tick on the critical stage:
@@ -428,7 +461,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=4096, help="T, tokens per micro-batch row")
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--steps", type=int, default=4, help="timed steps (after 2 warm-up steps)")
+    p.add_argument("--steps", type=int, default=4, help=f"timed steps per launch (after {WARMUP} warm-up steps)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="launches per config, interleaved (repeat r runs the configs in order rotated by r)")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default=str(ROOT / "outputs/bench_pipeline"))
@@ -437,7 +472,14 @@ def main(argv: list[str] | None = None) -> None:
     if "off" not in a.configs:
         p.error("--configs must include 'off'")
     t0 = time.perf_counter()
-    rows = {c: _launch(c, a, Path(a.out) / c) for c in a.configs}
+    if a.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {a.repeats}")
+    rows: dict[str, list[dict]] = {c: [] for c in a.configs}
+    for r in range(a.repeats):
+        # Interleaved and rotated, so that a slower minute of a shared VM falls on every config alike.
+        for c in a.configs[r % len(a.configs):] + a.configs[: r % len(a.configs)]:
+            got = _launch(c, a, Path(a.out) / c / f"repeat{r}")
+            rows[c] += [dict(row, step=r * REPEAT_STRIDE + row["step"]) for row in got]
     s = summarize(rows, a.microbatches, a.tokens)
     s["command"] = "python scripts/bench_pipeline.py " + " ".join(sys.argv[1:] if argv is None else argv)
     s["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -450,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
           f"zero-overhead bound {b[0]:.2f}/{b[1]:.2f}/{b[2]:.2f}; {s['wall_s']} s")  # fmt: skip
     print(f"  {'config':21} {'tok/s min/med/max':>20} {'speedup':>15} {'gain':>5} {'compute':>8} {'attn':>6} "
           f"{'idle':>5} {'act MiB/stage':>14} {'wait s':>7} {'kern+ s':>7} {'plan s':>6} "
-          f"{'ideal s':>7} {'+attn s':>7} {'+other s':>8} {'+wait s':>7}")  # fmt: skip
+          f"{'ideal s':>7} {'+attn s':>7} {'+other s':>8} {'+wait s':>7} {'CA MiB':>7} {'thr s':>6}")  # fmt: skip
     for c, v in s["configs"].items():
         f = lambda xs: "/".join(f"{x:.2f}" if x < 100 else f"{x:.0f}" for x in xs)  # noqa: E731
         cm, am = v["subtick_compute_max_over_mean"], v["subtick_attention_max_over_mean"]
@@ -460,7 +502,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {c:21} {f(v['tokens_per_s']):>20} {f(v['speedup_vs_off']):>15} {g if g is not None else float('nan'):5.2f} "
               f"{cm or float('nan'):8.3f} {am or float('nan'):6.3f} {v['idle_fraction']:5.2f} "
               f"{'/'.join(f'{m:.0f}' for m in v['activation_peak_MiB_per_stage']):>14} {br['exchange_wait_s']:7.2f} "
-              f"{br['attention_kernel_inflation_s']:7.2f} {br['exposed_planning_s']:6.2f}{path}")  # fmt: skip
+              f"{br['attention_kernel_inflation_s']:7.2f} {br['exposed_planning_s']:6.2f}{path} {br['ca_MiB']:7.0f} "
+              f"{br['other_threads_cpu_s']:6.2f}")  # fmt: skip
 
 if __name__ == "__main__":
     main()

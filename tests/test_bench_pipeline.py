@@ -102,3 +102,20 @@ def test_breakdown_adds_up_to_the_step_along_the_critical_stages():
     parts = br["ideal_s"] + br["attention_over_ideal_s"] + br["other_work_over_ideal_s"] + br["critical_waits_s"]
     assert parts == pytest.approx(16.0)
     assert v["bound_gain_captured"] == pytest.approx((20 / 16 - 1) / (20 / 12.5 - 1))
+
+
+def test_repeats_pair_each_step_with_offs_step_of_the_same_repeat():
+    def launch(repeat, off_s, cad_s):
+        base = bp.REPEAT_STRIDE * repeat
+        off = _rows([[4.0, 0.0], [0.0, 4.0]], seconds=off_s)
+        cad = _rows([[2.0, 2.0], [2.0, 2.0]], serve=1.0, config="distca_1f1b", seconds=cad_s)
+        # Warm-up steps at 100 s: left out, or every figure below would move.
+        warm = lambda rows: [dict(r, step=base + st, seconds=100.0) for st in (1, 2) for r in rows]  # noqa: E731
+        return [dict(r, step=base + 3) for r in off] + warm(off), [dict(r, step=base + 3) for r in cad] + warm(cad)
+
+    (off0, cad0), (off1, cad1) = launch(0, 20.0, 16.0), launch(1, 30.0, 20.0)
+    s = bp.summarize({"off": off0 + off1, "distca_1f1b": cad0 + cad1}, 2, 1024)
+    v = s["configs"]["distca_1f1b"]
+    assert v["speedup_vs_off"] == pytest.approx([1.25, (1.25 + 1.5) / 2, 1.5])
+    assert v["step_s"] == pytest.approx(18.0)
+    assert s["speedup_bound"] == pytest.approx([20 / 12.5, (20 / 12.5 + 30 / 12.5) / 2, 30 / 12.5])
