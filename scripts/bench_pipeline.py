@@ -107,23 +107,31 @@ def _worker(a: argparse.Namespace) -> None:
         def __init__(self, T, M, nano):
             self.T, self.M, self.nano = T, M, nano
 
+        def layout(self, b, prefix=""):
+            """Batch ``b``'s layout keys, as the CA loader gives them (``prefix`` "next_": the next
+            batch's, which the trainer plans ahead while this one runs)."""
+            item = {}
+            for m in range(self.M):
+                cu = np.concatenate([[0], np.cumsum(micro_docs(m, b, self.T))]).tolist()
+                lays = [Layout(tuple(cu), 1, self.T)]
+                if self.nano == 2:
+                    lays = list(split_nano_batches(lays[0], "stream"))
+                for j, lay in enumerate(lays):
+                    i = m * self.nano + j
+                    item[prefix + ("cu_seqlens" if i == 0 else f"cu_seqlens_{i}")] = torch.tensor(lay.cu_seqlens)
+                    if j:
+                        item[f"{prefix}context_{i}"] = torch.tensor(lay.context, dtype=torch.int64).reshape(-1, 3)
+            return item
+
         def __iter__(self):
             b = 0
             while True:
-                item, labels = {}, []
+                item, labels = self.layout(b) | self.layout(b + 1, "next_"), []
                 toks = torch.randint(0, 2048, (self.M, self.T), generator=torch.Generator().manual_seed(b))
                 pos = []
                 for m in range(self.M):
                     docs = micro_docs(m, b, self.T)
                     cu = np.concatenate([[0], np.cumsum(docs)]).tolist()
-                    lays = [Layout(tuple(cu), 1, self.T)]
-                    if self.nano == 2:
-                        lays = list(split_nano_batches(lays[0], "stream"))
-                    for j, lay in enumerate(lays):
-                        i = m * self.nano + j
-                        item["cu_seqlens" if i == 0 else f"cu_seqlens_{i}"] = torch.tensor(lay.cu_seqlens)
-                        if j:
-                            item[f"context_{i}"] = torch.tensor(lay.context, dtype=torch.int64).reshape(-1, 3)
                     pos.append(torch.cat([torch.arange(n) for n in docs]))
                     lab = torch.roll(toks[m], -1)
                     lab[torch.tensor(cu[1:]) - 1] = -100
