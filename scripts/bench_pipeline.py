@@ -24,13 +24,13 @@ configuration captured, (median speedup - 1) / (median bound - 1). torch's GPipe
 its stages asynchronously, so its step is shorter than the sum of its ticks' slowest stages; a
 bound built by subtracting per-tick savings from off's step would count that overlap twice.
 Where a tick configuration's step went (medians over steps), against the ideal of its own
-schedule, sub-tick by sub-tick on the stage that worked longest: attention over the ideal's (imbalance, kernel
-inflation), other work over the ideal's (linear layers, the exchange's copies), and the waits left
-on that path (exposed exchange, P2P, planning, the optimizer). Also per step on the slowest rank:
-all it waited in exchanges (bubbles and a slower peer included), kernel inflation over ``off``'s,
-exposed planning, the MiB its exchanges moved to and from the other rank and the CPU seconds of its
-threads other than the main one (gloo's transfers, planning): on 2 cores, CPU the model's compute
-loses.
+schedule, sub-tick by sub-tick on the stage that worked longest: attention over the ideal's
+(imbalance, kernel inflation), other work over the ideal's (linear layers, the exchange's copies),
+and the waits left on that path (exposed exchange, P2P, planning, the optimizer). Also per step
+on the slowest rank: all it waited in exchanges (bubbles and a slower peer included), kernel
+inflation over ``off``'s, exposed planning, the MiB its exchanges moved to and from the other rank
+and the CPU seconds of its threads other than the main one (gloo's transfers, planning): on 2
+cores, CPU the model's compute loses.
 
     python scripts/bench_pipeline.py                 # table, ~6 min on 2 cores at T 4096
     python scripts/bench_pipeline.py --json
@@ -455,10 +455,10 @@ def summarize(rows_by: dict[str, list[dict]], M: int, T: int) -> dict:
         }
     bound = [step_s["off"][s] / bound_s[s] for s in steps]
     res["speedup_bound"] = [min(bound), statistics.median(bound), max(bound)]
-    for c, v in res["configs"].items():
-        # Share of the bound's gain this configuration captured, as bench_train reports it:
-        # (median speedup - 1) / (median bound - 1).
-        gain = res["speedup_bound"][1] - 1
+    # Share of the bound's gain each configuration captured, as bench_train reports it:
+    # (median speedup - 1) / (median bound - 1).
+    gain = res["speedup_bound"][1] - 1
+    for v in res["configs"].values():
         v["bound_gain_captured"] = (v["speedup_vs_off"][1] - 1) / gain if gain > 0 else None
     return res
 
@@ -479,9 +479,9 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if "off" not in a.configs:
         p.error("--configs must include 'off'")
-    t0 = time.perf_counter()
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
+    t0 = time.perf_counter()
     rows: dict[str, list[dict]] = {c: [] for c in a.configs}
     for r in range(a.repeats):
         # Interleaved and rotated, so that a slower minute of a shared VM falls on every config alike.
