@@ -164,18 +164,10 @@ def _worker(a: argparse.Namespace) -> None:
 
     ExchangeStats.time_wait = timed_wait
 
-    import torch.distributed as dist
-    from bench_train import _moved_bytes
+    from bench_train import _count_exchange_bytes
 
-    ca_bytes = [0]
-    a2a = dist.all_to_all_single
-
-    def counted_a2a(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **k):
-        if k.get("async_op"):  # the exchange's (distca's agreements are blocking)
-            ca_bytes[0] += _moved_bytes(output, input, output_split_sizes, input_split_sizes, group)
-        return a2a(output, input, output_split_sizes, input_split_sizes, group, **k)
-
-    dist.all_to_all_single = counted_a2a
+    moved = {"ca_bytes": 0}
+    _count_exchange_bytes(moved)
 
     storages: dict[int, list[int]] = {}  # storage -> [tensors saved from it, its bytes]
     params: set[int] = set()  # parameter storages: weights, not activations
@@ -249,7 +241,7 @@ def _worker(a: argparse.Namespace) -> None:
         def train_step(self, data_iterator):
             segments.clear()
             saved["peak"] = saved["live"]
-            ca_bytes[0] = 0
+            moved["ca_bytes"] = 0
             t0, cpu0, main0 = time.perf_counter(), time.process_time(), time.thread_time()
             super().train_step(data_iterator)
             # CPU seconds of the threads but this one (gloo's transfer threads, the planning thread):
@@ -258,7 +250,7 @@ def _worker(a: argparse.Namespace) -> None:
             ca = self.run_stats.rows[-1] if self.run_stats.rows else {}
             rows.append({"step": self.step, "rank": rank, "seconds": time.perf_counter() - t0,
                          "segments": list(segments), "saved_peak_bytes": saved["peak"],
-                         "exposed_plan_s": ca.get("ca/exposed_plan_ms", 0.0) / 1e3, "ca_bytes": ca_bytes[0],
+                         "exposed_plan_s": ca.get("ca/exposed_plan_ms", 0.0) / 1e3, "ca_bytes": moved["ca_bytes"],
                          "other_threads_cpu_s": other_cpu})  # fmt: skip
 
         def close(self):

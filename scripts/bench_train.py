@@ -220,9 +220,10 @@ def _time_collectives(clock: dict[str, float]) -> None:
     included), an async one's ``Work.wait()`` (FSDP2's all-gathers and reduce-scatters). A call
     nested in another (``all_gather_object`` runs ``all_gather``) counts once; the exchange's
     all-to-all works (async) are waited and timed by distca (exposed exchange), and the bytes they
-    move to and from the other ranks are added to ``clock["ca_bytes"]``."""
+    move are counted by :func:`_count_exchange_bytes`."""
     import torch.distributed as dist
 
+    _count_exchange_bytes(clock)
     depth = [0]
     ca_works: set[int] = set()  # id() of in-flight CA exchange works (alive until waited)
 
@@ -250,7 +251,6 @@ def _time_collectives(clock: dict[str, float]) -> None:
     def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **k):
         if not k.get("async_op"):  # distca's agreements (distca.mesh): a blocking collective
             return timed_a2a(output, input, output_split_sizes, input_split_sizes, group, **k)
-        clock["ca_bytes"] += _moved_bytes(output, input, output_split_sizes, input_split_sizes, group)
         work = a2a(output, input, output_split_sizes, input_split_sizes, group, **k)
         if work is not None:
             ca_works.add(id(work))
@@ -268,6 +268,21 @@ def _time_collectives(clock: dict[str, float]) -> None:
         return timed_wait(self, *a, **k)
 
     work_cls.wait = wait_for
+
+
+def _count_exchange_bytes(clock: dict) -> None:
+    """Add to ``clock["ca_bytes"]`` the bytes every async ``all_to_all_single`` (the CA exchange's;
+    distca's agreements are blocking) sends to and receives from the other ranks."""
+    import torch.distributed as dist
+
+    a2a = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **k):
+        if k.get("async_op"):
+            clock["ca_bytes"] += _moved_bytes(output, input, output_split_sizes, input_split_sizes, group)
+        return a2a(output, input, output_split_sizes, input_split_sizes, group, **k)
+
+    dist.all_to_all_single = all_to_all_single
 
 
 def _moved_bytes(output, input, output_split_sizes, input_split_sizes, group) -> int:
