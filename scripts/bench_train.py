@@ -43,7 +43,8 @@ CAD configuration captured. ``--titan 0.3`` runs the same cycle on torchtitan 0.
 glibc's mmap threshold pinned from the start so freed tensors leave the resident set; the
 second is warm-up with a large threshold (timed cycles pay no page-fault tax); each of the
 next ``--repeats`` cycles is one timed repeat (configurations rotated per cycle). ``speedup`` = tokens/s of
-``distca_pingpong`` (``distca`` with ``--nano-batches 1``) over ``off`` on the same batch.
+``distca_pingpong`` (``distca`` with ``--nano-batches 1``) over ``off`` on the same batch;
+``speedup_vs_per_doc_cp`` the same against ``per_doc_cp`` (when it ran), batch by batch.
 
     python scripts/bench_train.py                    # table + PNGs, ~15-20 min on 2 cores
     python scripts/bench_train.py --json             # one JSON object per line per (model, workload)
@@ -86,6 +87,8 @@ DEFAULT_CONFIGS = {
     1: ["off", "distca", "per_doc_cp", "distca_keep", "pack", "distca_placed"],
 }
 HEADLINE = "distca_pingpong"
+PEER = "per_doc_cp"
+"""The simpler peer CAD is compared with batch by batch (``speedup_vs_per_doc_cp``)."""
 WORKLOADS = ("skewed", "prolong", "uniform")
 MODELS = {
     # torchtitan's llama3 debugmodel: dim 256, 6 layers, 16 heads (head dim 16)
@@ -618,6 +621,11 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
             "tokens_per_s_median": tokens / statistics.median(step_s(c, b) for b in batches),
             "step_s_median": statistics.median(step_s(c, b) for b in batches),
             "speedup_vs_off": _spread(ratios) if ratios else None,
+            # Against per-document CP batch by batch (each batch's steps run minutes apart, in one
+            # cycle): min > 1 says "ahead on every batch", more than either's spread over batches.
+            "speedup_vs_per_doc_cp": (
+                _spread([step_s(PEER, b) / step_s(c, b) for b in batches]) if PEER in configs else None
+            ),
             "attention_s_per_rank": attn,
             "exposed_comm_s_per_rank": per_rank("exposed_comm_s"),
             "step_peak_MiB_per_rank": peak,
@@ -661,6 +669,7 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
         # min / median / max over batches of the zero-overhead bound (see above)
         "speedup_bound": _spread(bound) if bound else None,
         "bound_gain_captured": per[headline]["bound_gain_captured"],
+        "speedup_vs_per_doc_cp": per[headline]["speedup_vs_per_doc_cp"],
         "repeats": len(batches),
         "imbalance_before": max(loads0) / statistics.mean(loads0),
         "imbalance_after": max(loads1) / statistics.mean(loads1),
@@ -806,6 +815,9 @@ def main(argv: list[str] | None = None) -> None:
                           f"{max(v['exposed_comm_s_per_rank']):10.3f} {v['fwd_MiB_per_layer']:14.2f} "
                           f"{'/'.join(f'{x:.0f}' for x in v['step_peak_MiB_per_rank']):>22}")  # fmt: skip
                 print(f"  share of the bound's gain captured by {s['cad_config']}: {s['bound_gain_captured'] or float('nan'):.2f}")
+                if s["speedup_vs_per_doc_cp"]:
+                    print(f"  {s['cad_config']} over {PEER}, batch by batch (min/med/max): "
+                          + "/".join(f"{x:.3f}" for x in s["speedup_vs_per_doc_cp"]))  # fmt: skip
                 print("  where the step went, s (median over repeats, [min-max]), per rank:")
                 print(f"  {'config':22} {'rank':>4} " + " ".join(f"{k:>18}" for k in BREAKDOWN))
                 for c, v in s["configs"].items():

@@ -54,6 +54,19 @@ def test_summarize_speedup_is_off_over_cad_on_the_same_batches():
     assert s["mem_ratio_resend"] == pytest.approx(60 / 55)  # step peaks 50 and 60 MiB above the base
 
 
+def test_summarize_compares_with_per_doc_cp_batch_by_batch():
+    configs = ["off", "distca_pingpong", "per_doc_cp"]
+    rows = _rows(configs, {"off": 3.0, "distca_pingpong": 2.0, "per_doc_cp": 2.4})
+    for r in rows:  # per_doc_cp's batch 3 is faster than CAD's: "ahead" must not hold on every batch
+        if r["config"] == "per_doc_cp" and r["batch"] == 3:
+            r["seconds"] = 1.8 * (1 + 0.1 * r["rank"])
+    s = bt.summarize(rows, "debug", "skewed", 1024, 2, configs)
+    assert s["speedup_vs_per_doc_cp"] == pytest.approx([0.9, 1.05, 1.2])
+    assert s["configs"]["per_doc_cp"]["speedup_vs_per_doc_cp"] == pytest.approx([1.0] * 3)
+    assert bt.summarize(_rows(configs[:2], {"off": 3.0, "distca_pingpong": 2.0}), "debug", "skewed", 1024, 2,
+                        configs[:2])["speedup_vs_per_doc_cp"] is None  # fmt: skip
+
+
 def test_summarize_bound_and_profiled_cycle():
     configs = ["off", "distca_pingpong"]
     rows = _rows(configs, {"off": 3.0, "distca_pingpong": 2.0})
