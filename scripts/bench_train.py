@@ -606,10 +606,14 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
     def step_s(c, b):
         return max(r["seconds"] for r in by[(c, b)])  # the slowest rank's step
 
+    def speedup_vs(ref, c):
+        """min / median / max over batches of ``ref``'s step over ``c``'s on the same batch (None
+        when ``ref`` did not run)."""
+        return _spread([step_s(ref, b) / step_s(c, b) for b in batches]) if ref in configs else None
+
     per = {}
     for c in configs:
         rs = [r for b in batches for r in by[(c, b)]]
-        ratios = [step_s("off", b) / step_s(c, b) for b in batches] if "off" in configs else []
         per_rank = lambda key: [statistics.median(r[key] for r in rs if r["rank"] == k) for k in range(ranks)]  # noqa: E731
         attn = [a + b for a, b in zip(per_rank("attn_fwd_s"), per_rank("attn_bwd_s"))]
         # Memory from the first cycle, run with the measuring allocator mode on a fresh heap.
@@ -620,12 +624,10 @@ def summarize(rows: list[dict], model: str, workload: str, T: int, ranks: int, c
             "breakdown_s_per_rank": _breakdown(rs, ranks),
             "tokens_per_s_median": tokens / statistics.median(step_s(c, b) for b in batches),
             "step_s_median": statistics.median(step_s(c, b) for b in batches),
-            "speedup_vs_off": _spread(ratios) if ratios else None,
+            "speedup_vs_off": speedup_vs("off", c),
             # Against per-document CP batch by batch (each batch's steps run minutes apart, in one
             # cycle): min > 1 says "ahead on every batch", more than either's spread over batches.
-            "speedup_vs_per_doc_cp": (
-                _spread([step_s(PEER, b) / step_s(c, b) for b in batches]) if PEER in configs else None
-            ),
+            "speedup_vs_per_doc_cp": speedup_vs(PEER, c),
             "attention_s_per_rank": attn,
             "exposed_comm_s_per_rank": per_rank("exposed_comm_s"),
             "step_peak_MiB_per_rank": peak,
